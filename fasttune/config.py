@@ -1,0 +1,133 @@
+"""FastConfig: every fasttune option, in one dataclass.
+
+Like PEFT's configs: each field documents itself in ``metadata["help"]``, ``__post_init__``
+normalises values and rejects contradictions with a ValueError naming the field, and
+``to_dict``/``from_dict`` round-trip (model cards and the CLI's YAML embed it). No behaviour
+hides in environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+CHECKPOINTING_MODES = (None, "recompute", "offload", "auto")
+ARTIFACTS = ("adapter", "merged", "gguf")
+GGUF_QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+                      "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+MERGED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class FastConfig:
+    """Options for patching, checkpointing, export and Hub upload.
+
+    Example:
+        >>> FastConfig(checkpointing="offload", push_to_hub=True, hub_model_id="me/llama-sft")
+    """
+
+    # --- kernels -------------------------------------------------------------------------
+    cross_entropy: bool = field(default=True, metadata={
+        "help": "Compute the causal-LM loss with the fused linear cross-entropy (logits never materialised)."})
+    rms_norm: bool = field(default=True, metadata={"help": "Triton RMSNorm (forward + hand-written backward)."})
+    rope: bool = field(default=True, metadata={"help": "Triton rotary embedding applied to Q and K in one launch."})
+    mlp: bool = field(default=True, metadata={"help": "Triton SwiGLU/GeGLU activation in the gated MLP."})
+    lora: bool = field(default=True, metadata={
+        "help": "Fused LoRA paths (gated MLP, QKV, O; NF4 dequantised on the fly) for PEFT LoRA "
+                "modules with dropout 0, no bias and no DoRA; other LoRA modules keep PEFT's path."})
+    fused_logprobs: bool = field(default=True, metadata={
+        "help": "Serve TRL's fused LM head (fused_lm_head=True: SFT metrics, DPO, GRPO, KTO, RLOO "
+                "log-probabilities) with fasttune's kernel."})
+    loss_workspace_mib: int = field(default=1024, metadata={
+        "help": "Upper bound, in MiB, of the logit workspace the fused loss uses per chunk of tokens."})
+    return_logits: bool = field(default=False, metadata={
+        "help": "Also return logits from a training forward with labels (costs the [tokens, vocab] memory)."})
+
+    # --- checkpointing -------------------------------------------------------------------
+    checkpointing: str | None = field(default=None, metadata={
+        "help": "Decoder-layer activation checkpointing: None (off), 'recompute', 'offload' (layer "
+                "inputs in pinned CPU memory, prefetched during backward) or 'auto' (keep what fits "
+                "memory_budget_gb resident, offload the rest)."})
+    memory_budget_gb: float | None = field(default=None, metadata={
+        "help": "GPU memory 'auto' checkpointing may use for activations; None: free memory minus a margin."})
+
+    # --- logging -------------------------------------------------------------------------
+    log_throughput: bool = field(default=True, metadata={
+        "help": "FastTrainer logs tokens/s and peak GPU memory with each log line."})
+
+    # --- export and hub ------------------------------------------------------------------
+    export_artifacts: tuple[str, ...] = field(default=(), metadata={
+        "help": "Artifacts to save under output_dir at the end of train(): 'adapter', 'merged', 'gguf'. "
+                "With push_to_hub, push_artifacts are saved too."})
+    merged_dtype: str = field(default="bfloat16", metadata={
+        "help": "dtype of the merged 16-bit export: " + ", ".join(MERGED_DTYPES)})
+    push_to_hub: bool = field(default=False, metadata={
+        "help": "Push the artifacts to the Hub at the end of train() (main process only)."})
+    hub_model_id: str | None = field(default=None, metadata={
+        "help": "Repo id of the merged model; the adapter goes to '<id>-lora', GGUF files to '<id>-GGUF'."})
+    push_artifacts: tuple[str, ...] = field(default=ARTIFACTS, metadata={
+        "help": "Which artifacts push_to_hub uploads: " + ", ".join(ARTIFACTS)})
+    gguf_quantizations: tuple[str, ...] = field(default=("q8_0",), metadata={
+        "help": "GGUF files to write: " + ", ".join(GGUF_QUANTIZATIONS) + " (K-quants need llama-cpp-python)."})
+    hub_private: bool = field(default=True, metadata={"help": "Create the Hub repos as private."})
+    base_model_id: str | None = field(default=None, metadata={
+        "help": "Hub id of the base model, written into cards when the base was loaded from a local path."})
+
+    def __post_init__(self) -> None:
+        if self.checkpointing not in CHECKPOINTING_MODES:
+            raise ValueError(f"checkpointing must be one of {CHECKPOINTING_MODES}, got {self.checkpointing!r}")
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ValueError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+        if self.memory_budget_gb is not None and self.checkpointing != "auto":
+            raise ValueError("memory_budget_gb only applies to checkpointing='auto'")
+        if self.loss_workspace_mib < 1:
+            raise ValueError(f"loss_workspace_mib must be >= 1, got {self.loss_workspace_mib}")
+        self.export_artifacts = _choices("export_artifacts", self.export_artifacts, ARTIFACTS)
+        self.push_artifacts = _choices("push_artifacts", self.push_artifacts, ARTIFACTS)
+        self.gguf_quantizations = _choices("gguf_quantizations", self.gguf_quantizations, GGUF_QUANTIZATIONS,
+                                           lower=True)
+        if self.merged_dtype not in MERGED_DTYPES:
+            raise ValueError(f"merged_dtype must be one of {MERGED_DTYPES}, got {self.merged_dtype!r}")
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("push_to_hub=True needs hub_model_id")
+        if self.push_to_hub and not self.push_artifacts:
+            raise ValueError("push_to_hub=True needs at least one of push_artifacts")
+        if self.hub_model_id is not None and self.hub_model_id.count("/") > 1:
+            raise ValueError(f"hub_model_id must be 'name' or 'namespace/name', got {self.hub_model_id!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-ready dict (tuples become lists)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FastConfig":
+        """Inverse of ``to_dict``; an unknown key is a ValueError listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown FastConfig field(s) {unknown}; known: {sorted(known)}")
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**kwargs)
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """Field name → help text (the CLI and the Space show these)."""
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def _choices(name: str, values, allowed, lower: bool = False) -> tuple[str, ...]:
+    if isinstance(values, str):
+        values = (values,)
+    out = []
+    for v in values:
+        v = v.lower() if lower else v
+        if v not in allowed:
+            raise ValueError(f"{name}: {v!r} is not one of {', '.join(allowed)}")
+        if v not in out:
+            out.append(v)
+    return tuple(out)

@@ -1,0 +1,122 @@
+"""The families table: model_type → what each module of that family is and which kernel fits it.
+
+Data, not code. One ``FamilySpec`` row per exact ``config.model_type``; a family derived from
+another is ``dataclasses.replace`` of its row. ``patch.py`` reads a row, finds the modules by
+their exact class (resolved from ``modeling_module``), checks each against what the row expects,
+and swaps the forwards of that instance only. Adding a family = a row here + its parity test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Activation names in configs → the gated-MLP kernel that computes them exactly.
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What fasttune knows about one model family (one exact ``model_type``).
+
+    Attributes:
+        model_type: ``config.model_type`` this row matches, exactly.
+        modeling_module: module holding the family's classes (resolved lazily on patch).
+        causal_lm_class / decoder_layer_class / attention_class / mlp_class / norm_class: exact
+            class names; a module of another class is left stock and reported.
+        norm_eps_attr: attribute holding the RMSNorm epsilon.
+        norm_offset: 1.0 where the norm scales by (1 + weight) (Gemma).
+        norm_casting: "llama" (normalise in fp32, cast, multiply) or "gemma" (all fp32, cast last).
+        qkv_layout: "separate" (q_proj/k_proj/v_proj) or "fused" (one qkv_proj, Phi-3).
+        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3) or "full" (over the whole
+            projection before the head split, OLMo2).
+        attention_kwargs: extra keyword arguments the stock attention passes to the attention
+            function, as (name, source) with source "module:<attr>" or "config:<attr>".
+        mlp_layout: "separate" (gate_proj/up_proj) or "fused" (gate_up_proj, gate first, Phi-3).
+        activation_attrs: config attributes naming the MLP activation, first present wins.
+        final_softcap_attr: config attribute of the final-logit soft-cap (Gemma 2/3), if any.
+        logit_divisor_attr: config attribute the logits are divided by (Granite), if any.
+        gguf_arch: llama.cpp architecture name for GGUF export.
+    """
+
+    model_type: str
+    modeling_module: str
+    causal_lm_class: str
+    decoder_layer_class: str
+    attention_class: str
+    mlp_class: str
+    norm_class: str
+    norm_eps_attr: str = "variance_epsilon"
+    norm_offset: float = 0.0
+    norm_casting: str = "llama"
+    qkv_layout: str = "separate"
+    qk_norm: str | None = None
+    attention_kwargs: tuple[tuple[str, str], ...] = ()
+    mlp_layout: str = "separate"
+    activation_attrs: tuple[str, ...] = ("hidden_act",)
+    final_softcap_attr: str | None = None
+    logit_divisor_attr: str | None = None
+    gguf_arch: str = "llama"
+
+
+def _row(base: FamilySpec, model_type: str, prefix: str, **changes) -> FamilySpec:
+    """A row derived from ``base`` whose classes are named ``<prefix>ForCausalLM`` etc."""
+    pkg = model_type
+    names = dict(
+        modeling_module=f"transformers.models.{pkg}.modeling_{pkg}",
+        causal_lm_class=f"{prefix}ForCausalLM",
+        decoder_layer_class=f"{prefix}DecoderLayer",
+        attention_class=f"{prefix}Attention",
+        mlp_class=f"{prefix}MLP",
+        norm_class=f"{prefix}RMSNorm",
+    )
+    names.update(changes)
+    return dataclasses.replace(base, model_type=model_type, **names)
+
+
+LLAMA = FamilySpec(
+    model_type="llama",
+    modeling_module="transformers.models.llama.modeling_llama",
+    causal_lm_class="LlamaForCausalLM",
+    decoder_layer_class="LlamaDecoderLayer",
+    attention_class="LlamaAttention",
+    mlp_class="LlamaMLP",
+    norm_class="LlamaRMSNorm",
+    gguf_arch="llama",
+)
+
+MISTRAL = _row(LLAMA, "mistral", "Mistral", attention_kwargs=(("sliding_window", "config:sliding_window"),),
+               gguf_arch="llama")
+QWEN2 = _row(LLAMA, "qwen2", "Qwen2", attention_kwargs=(("sliding_window", "module:sliding_window"),),
+             gguf_arch="qwen2")
+QWEN3 = _row(QWEN2, "qwen3", "Qwen3", qk_norm="head", gguf_arch="qwen3")
+GEMMA = _row(LLAMA, "gemma", "Gemma", norm_eps_attr="eps", norm_offset=1.0, norm_casting="gemma",
+             activation_attrs=("hidden_activation", "hidden_act"), gguf_arch="gemma")
+GEMMA2 = _row(GEMMA, "gemma2", "Gemma2",
+              attention_kwargs=(("sliding_window", "module:sliding_window"),
+                                ("softcap", "module:attn_logit_softcapping")),
+              final_softcap_attr="final_logit_softcapping", gguf_arch="gemma2")
+GEMMA3_TEXT = _row(GEMMA2, "gemma3_text", "Gemma3", qk_norm="head",
+                   modeling_module="transformers.models.gemma3.modeling_gemma3",
+                   causal_lm_class="Gemma3ForCausalLM", attention_kwargs=(("sliding_window", "module:sliding_window"),),
+                   gguf_arch="gemma3")
+PHI3 = _row(LLAMA, "phi3", "Phi3", qkv_layout="fused", mlp_layout="fused",
+            attention_kwargs=(("sliding_window", "config:sliding_window"),), gguf_arch="phi3")
+GRANITE = _row(LLAMA, "granite", "Granite", logit_divisor_attr="logits_scaling", gguf_arch="granite")
+OLMO2 = _row(LLAMA, "olmo2", "Olmo2", qk_norm="full", norm_casting="gemma", gguf_arch="olmo2")
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.model_type: spec
+    for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2)
+}
+
+
+def family_for(model_type: str | None) -> FamilySpec | None:
+    """The row for this exact model_type, or None."""
+    return FAMILIES.get(model_type or "")

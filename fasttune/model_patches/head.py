@@ -1,0 +1,189 @@
+"""The causal-LM head with the fused linear cross-entropy: the loss without the [tokens, vocab] logits.
+
+With labels in training mode, the patched forward runs the backbone, then computes the loss from
+the last hidden states and the lm_head weight with ``fused_linear_cross_entropy`` (family extras:
+final-logit soft-cap, logit scaling). Without labels, in eval mode, or when the caller asks for
+logits, it runs the stock forward, so generation and evaluation are unchanged.
+
+It also answers TRL's fused-LM-head protocol (``model(..., labels=..., fused_lm_head=True)``, TRL
+≥ 1.16's SFT/DPO/GRPO/KTO/RLOO trainers): per-token log-probabilities, entropy and top-1 flags
+from the same kernel, in an output with the fields TRL reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
+
+from ..config import FastConfig
+from ..kernels import fused_linear_cross_entropy
+from .families import FamilySpec
+from .instance import PatchedForward, signature_has, stock_forward, swap_forward
+from .report import PatchReport
+
+IGNORE_INDEX = -100
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+@dataclass
+class FusedLMHeadOutput(ModelOutput):
+    """The fields TRL's trainers read from ``model(..., fused_lm_head=True)``; per-token fields
+    are [batch, seq-1] (or [batch, seq] with ``shift_labels``) and zero where the label is ignored."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HeadExtras:
+    """Logit transforms of a family, read off the config once at patch time."""
+
+    softcap: float | None = None
+    logit_scale: float | None = None
+
+    @classmethod
+    def from_config(cls, spec: FamilySpec, config) -> "HeadExtras":
+        softcap = getattr(config, spec.final_softcap_attr, None) if spec.final_softcap_attr else None
+        divisor = getattr(config, spec.logit_divisor_attr, None) if spec.logit_divisor_attr else None
+        return cls(softcap=softcap, logit_scale=None if divisor in (None, 1, 1.0) else 1.0 / divisor)
+
+
+class FusedLossCausalLMForward(PatchedForward):
+    """Replacement ``forward`` of a ``*ForCausalLM`` instance (see module docstring)."""
+
+    op = "cross_entropy"
+
+    def __init__(self, module: nn.Module, stock, extras: HeadExtras, config: FastConfig):
+        super().__init__(module, stock)
+        self.extras = extras
+        self.workspace_mib = config.loss_workspace_mib
+        self.return_logits = config.return_logits
+        # Set by FastTrainer from TrainingArguments.label_smoothing_factor (same math as HF's LabelSmoother).
+        self.label_smoothing = 0.0
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _head_params(self):
+        head = self.module.get_output_embeddings()
+        if type(head) is not nn.Linear:
+            return None  # a LoRA-wrapped or quantised lm_head: stock path
+        return head.weight, head.bias
+
+    def _backbone(self, args, kwargs):
+        backbone = getattr(self.module, self.module.base_model_prefix)
+        out = backbone(*args, **kwargs)
+        return out, (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    def _flat_inputs(self, hidden, labels, shift_labels, weight):
+        if shift_labels is None:
+            # HF's shift: pad the labels with one ignored position instead of slicing the hidden states.
+            labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        else:
+            labels = shift_labels
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if h.device != weight.device:
+            h = h.to(weight.device)
+        y = labels.reshape(-1).to(h.device)
+        # Match the stock lm_head under autocast: its matmul runs in the autocast dtype.
+        if torch.is_autocast_enabled(h.device.type):
+            dt = torch.get_autocast_dtype(h.device.type)
+            h, weight = h.to(dt), weight.to(dt)
+        elif h.dtype != weight.dtype:
+            h = h.to(weight.dtype)
+        return h, y, weight, labels.shape
+
+    def _call_stock(self, args, kwargs, labels, shift_labels, num_items_in_batch):
+        for name, value in (("labels", labels), ("shift_labels", shift_labels),
+                            ("num_items_in_batch", num_items_in_batch)):
+            if value is not None:
+                kwargs[name] = value
+        return self.stock(*args, **kwargs)
+
+    # -- forward ------------------------------------------------------------------------------
+    def __call__(self, *args, labels=None, shift_labels=None, num_items_in_batch=None,
+                 fused_lm_head=False, **kwargs):
+        params = self._head_params()
+        has_labels = labels is not None or shift_labels is not None
+        if fused_lm_head and has_labels and params is not None:
+            return self._trl_fused(args, kwargs, labels, shift_labels, num_items_in_batch, params)
+        if fused_lm_head:
+            kwargs["fused_lm_head"] = True  # let TRL's own head (if installed) answer
+        fused = (has_labels and params is not None and self.module.training and not self.return_logits
+                 and not fused_lm_head and kwargs.get("logits_to_keep", 0) in (0, None))
+        if not fused:
+            return self._call_stock(args, kwargs, labels, shift_labels, num_items_in_batch)
+        kwargs.pop("logits_to_keep", None)
+        outputs, hidden = self._backbone(args, kwargs)
+        weight, bias = params
+        h, y, weight, _ = self._flat_inputs(hidden, labels, shift_labels, weight)
+        loss = fused_linear_cross_entropy(
+            h, weight, y, bias, ignore_index=IGNORE_INDEX, num_items_in_batch=num_items_in_batch,
+            label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
+            logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib,
+        )
+        result = CausalLMOutputWithPast(
+            loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+        setattr(result, _CACHE_FIELD, getattr(outputs, _CACHE_FIELD, None))
+        return result
+
+    def _trl_fused(self, args, kwargs, labels, shift_labels, num_items_in_batch, params):
+        kwargs.pop("logits_to_keep", None)
+        kwargs["use_cache"] = False
+        outputs, hidden = self._backbone(args, kwargs)
+        weight, bias = params
+        h, y, weight, shape = self._flat_inputs(hidden, labels, shift_labels, weight)
+        per_token, stats = fused_linear_cross_entropy(
+            h, weight, y, bias, ignore_index=IGNORE_INDEX, reduction="none", softcap=self.extras.softcap,
+            logit_scale=self.extras.logit_scale, return_stats=True, workspace_mib=self.workspace_mib,
+        )
+        mask = (y != IGNORE_INDEX).view(shape)
+        log_probs = -per_token.view(shape)
+        denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedLMHeadOutput(
+            loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=stats["entropy"].view(shape),
+            is_top1=stats["correct"].view(shape), label_mask=mask,
+        )
+
+
+def patch_head(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
+    """Install the fused-loss forward on the causal-LM instance, or record why not."""
+    if not config.cross_entropy:
+        return
+    where = type(base).__name__
+    expected = classes.get("causal_lm_class")
+    if expected is None or type(base) is not expected:
+        report.fallback("cross_entropy", where, f"expected {spec.causal_lm_class}; the loss stays stock")
+        return
+    stock = stock_forward(base)
+    if not signature_has(type(base).forward, "labels"):
+        report.fallback("cross_entropy", where, "forward takes no `labels` in this transformers version")
+        return
+    if type(base.get_output_embeddings()) is not nn.Linear:
+        report.fallback("cross_entropy", where,
+                        f"lm_head is {type(base.get_output_embeddings()).__name__}, not a plain nn.Linear")
+        return
+    if getattr(base.config, "logit_scale", None) not in (None, 1, 1.0) and spec.logit_divisor_attr is None:
+        report.fallback("cross_entropy", where, "config.logit_scale is not modelled for this family")
+        return
+    swap_forward(base, FusedLossCausalLMForward(base, stock, HeadExtras.from_config(spec, base.config), config), report)
+    report.add("cross_entropy")
+
+
+def head_forward(model: nn.Module) -> FusedLossCausalLMForward | None:
+    """The installed fused-loss forward of a patched model, if any."""
+    fwd = model.__dict__.get("forward")
+    return fwd if isinstance(fwd, FusedLossCausalLMForward) else None
+
+
+__all__ = ["FusedLMHeadOutput", "FusedLossCausalLMForward", "HeadExtras", "patch_head", "head_forward"]

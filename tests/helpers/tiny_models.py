@@ -1,0 +1,66 @@
+"""Tiny random models of every supported family, built from configs in-process (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
+
+# GQA everywhere (4 query heads over 2 KV heads), odd-ish widths, vocab > 65,536 (the kernels'
+# int32/large-vocab paths), two layers so layer stacking is exercised.
+_BASE = dict(
+    vocab_size=70_001, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0,
+)
+
+# Per-family extras so each family's distinctive features are on (soft-caps, multipliers, ...).
+_EXTRA = {
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),
+    "gemma": dict(tie_word_embeddings=True),
+    "gemma2": dict(tie_word_embeddings=True, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   query_pre_attn_scalar=24, sliding_window=64),
+    "gemma3_text": dict(tie_word_embeddings=True, final_logit_softcapping=30.0, query_pre_attn_scalar=24,
+                        sliding_window=64),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=4.0),
+    "olmo2": dict(pad_token_id=0),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny random config of ``model_type`` (attention on the eager path for exact parity)."""
+    kwargs = {**_BASE, **_EXTRA.get(model_type, {}), **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = overrides.get("attn_implementation", "eager")
+    return config
+
+
+def tiny_model(model_type: str = "llama", dtype=torch.float32, seed: int = 0, **overrides):
+    """A randomly initialised causal LM of ``model_type`` in ``dtype``, weights fixed by ``seed``."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    # Gemma-style norms start at zero weight ((1 + w)); randomise every norm so gradients are generic.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2).add_(0.0 if model_type.startswith("gemma") else 1.0)
+    return model
+
+
+def make_batch(vocab_size: int, batch: int = 2, seq: int = 17, seed: int = 0, ignore_frac: float = 0.25,
+               device="cpu"):
+    """input_ids, attention_mask and labels with a fraction of labels set to -100."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    labels = input_ids.clone()
+    labels[torch.rand(batch, seq, generator=g) < ignore_frac] = -100
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
+        "labels": labels.to(device),
+    }
