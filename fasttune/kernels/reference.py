@@ -135,7 +135,8 @@ def fused_linear_cross_entropy(
     if reduction == "none":
         loss = per_token
     elif num_items_in_batch is not None:
-        loss = per_token.sum() / torch.as_tensor(num_items_in_batch, device=per_token.device, dtype=dt)
+        # 0 reads as 1: a micro-batch with nothing to learn gives 0, never NaN.
+        loss = per_token.sum() / torch.as_tensor(num_items_in_batch, device=per_token.device, dtype=dt).clamp(min=1)
     elif reduction == "sum":
         loss = per_token.sum()
     else:

@@ -96,9 +96,10 @@ MISTRAL = _row(LLAMA, "mistral", "Mistral", attention_kwargs=(("sliding_window",
 QWEN2 = _row(LLAMA, "qwen2", "Qwen2", attention_kwargs=(("sliding_window", "module:sliding_window"),),
              gguf_arch="qwen2")
 QWEN3 = _row(QWEN2, "qwen3", "Qwen3", qk_norm="head", gguf_arch="qwen3")
+# Gemma's MLP builds its activation from config.hidden_act; Gemma 2/3 from config.hidden_activation.
 GEMMA = _row(LLAMA, "gemma", "Gemma", norm_eps_attr="eps", norm_offset=1.0, norm_casting="gemma",
-             activation_attrs=("hidden_activation", "hidden_act"), gguf_arch="gemma")
-GEMMA2 = _row(GEMMA, "gemma2", "Gemma2",
+             activation_attrs=("hidden_act",), gguf_arch="gemma")
+GEMMA2 = _row(GEMMA, "gemma2", "Gemma2", activation_attrs=("hidden_activation",),
               attention_kwargs=(("sliding_window", "module:sliding_window"),
                                 ("softcap", "module:attn_logit_softcapping")),
               final_softcap_attr="final_logit_softcapping", gguf_arch="gemma2")

@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from ..config import FastConfig
-from ..kernels import fused_linear_cross_entropy
+from ..kernels.cross_entropy import fused_linear_cross_entropy
 from .families import FamilySpec
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
 from .report import PatchReport
@@ -147,12 +147,14 @@ class FusedLossCausalLMForward(PatchedForward):
             h, weight, y, bias, ignore_index=IGNORE_INDEX, reduction="none", softcap=self.extras.softcap,
             logit_scale=self.extras.logit_scale, return_stats=True, workspace_mib=self.workspace_mib,
         )
-        mask = (y != IGNORE_INDEX).view(shape)
-        log_probs = -per_token.view(shape)
+        # TRL's per-token fields cover the seq-1 predicted positions (the padded last one is dropped).
+        keep = slice(None, -1) if shift_labels is None else slice(None)
+        mask = (y != IGNORE_INDEX).view(shape)[..., keep]
+        log_probs = -per_token.view(shape)[..., keep]
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedLMHeadOutput(
-            loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=stats["entropy"].view(shape),
-            is_top1=stats["correct"].view(shape), label_mask=mask,
+            loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=stats["entropy"].view(shape)[..., keep],
+            is_top1=stats["correct"].view(shape)[..., keep], label_mask=mask,
         )
 
 

@@ -1,0 +1,1 @@
+"""Trainer, TRL, accelerate and Hub integration: the only place that knows them."""

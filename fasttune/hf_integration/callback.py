@@ -1,0 +1,42 @@
+"""FastPatchCallback: fasttune's patches on any existing Trainer (transformers or TRL) run."""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from ..config import FastConfig
+from ..model_patches import PatchReport, patch_model
+
+logger = logging.getLogger("fasttune")
+
+
+class FastPatchCallback(TrainerCallback):
+    """Patches the trainer's model when the trainer finishes ``__init__``.
+
+    Works on ``transformers.Trainer`` and TRL's trainers (``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer``...): those call ``model(..., fused_lm_head=True)``, which the patched head
+    answers with fasttune's kernel. The report is kept on ``self.report`` and logged.
+
+    Args:
+        config: which fast paths to take; ``FastConfig()`` when None.
+    """
+
+    def __init__(self, config: FastConfig | None = None):
+        self.config = config or FastConfig()
+        self.report: PatchReport | None = None
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            logger.warning("fasttune: FastPatchCallback got no model at on_init_end; nothing patched")
+            return control
+        self.report = patch_model(model, self.config)
+        if state.is_world_process_zero:
+            log_report(self.report)
+        return control
+
+
+def log_report(report: PatchReport) -> None:
+    """Log the report: at WARNING when something stayed stock, else at INFO."""
+    logger.log(logging.WARNING if report.fallbacks else logging.INFO, "%s", report)

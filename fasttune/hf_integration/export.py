@@ -1,0 +1,336 @@
+"""Export a trained model: the LoRA adapter, or merged 16-bit weights that load with
+``AutoModelForCausalLM.from_pretrained``.
+
+Every final file is written atomically: into a staging folder inside ``out_dir`` (same file
+system), flushed and fsynced, then ``os.replace``d into place; a crash or a full disk leaves the
+previous file or none, never half of one. The live training model is never modified: merged
+tensors are computed one at a time from its weights (see ``merged_weights.py``).
+
+``save_merged(model, out, base="org/Base-16bit")`` merges onto the original 16-bit checkpoint,
+shard by shard, so a QLoRA run yields a clean 16-bit model instead of dequantised NF4 weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .merged_weights import MergeRules, checkpoint_shards, model_weights, unwrap_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# --- atomic files ---------------------------------------------------------------------------
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory so renames inside it survive a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | Path) -> Iterator[Path]:
+    """Yields a temporary path next to ``final``; on success fsyncs it and renames it onto ``final``.
+
+    On error the temporary file is removed and ``final`` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write(final: str | Path, data: bytes | str) -> Path:
+    """Writes ``data`` to ``final`` atomically (str is UTF-8 encoded)."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(payload)
+    return Path(final)
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str | Path) -> Iterator[Path]:
+    """A staging folder inside ``out_dir``; on success each file in it is fsynced and moved into
+    ``out_dir`` with ``os.replace`` (atomic per file). On error ``out_dir`` keeps its old files."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
+    try:
+        yield stage
+        for src in sorted(p for p in stage.rglob("*") if p.is_file()):
+            with open(src, "rb") as f:
+                os.fsync(f.fileno())
+            dst = out_dir / src.relative_to(stage)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+        fsync_dir(out_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# --- adapter ---------------------------------------------------------------------------------
+
+def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base_model_id: str | None = None) -> Path:
+    """Saves the PEFT adapter (``adapter_model.safetensors``, ``adapter_config.json``) and tokenizer.
+
+    Args:
+        model: a ``peft.PeftModel``.
+        out_dir: destination folder (created).
+        tokenizer: saved beside the adapter when given.
+        base_model_id: Hub id written as ``base_model_name_or_path`` when the base was loaded
+            from a local path (otherwise the adapter would point at a path nobody else has).
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise TypeError(f"model must be a peft.PeftModel to save an adapter, got {type(model).__name__}")
+    out_dir = Path(out_dir)
+    with staged_dir(out_dir) as stage:
+        model.save_pretrained(str(stage), safe_serialization=True)
+        if base_model_id:
+            for cfg_path in stage.rglob("adapter_config.json"):
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+                cfg["base_model_name_or_path"] = base_model_id
+                cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(stage))
+    return out_dir
+
+
+# --- merged ------------------------------------------------------------------------------------
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = size.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes ``model-XXXXX-of-YYYYY.safetensors`` shards into a stage."""
+
+    def __init__(self, stage: Path, max_bytes: int) -> None:
+        self.stage, self.max_bytes = stage, max_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.current[key] = tensor
+        self.size += nbytes
+
+    def flush(self) -> None:
+        if not self.current:
+            return
+        from safetensors.torch import save_file
+
+        path = self.stage / f".part-{len(self.parts):05d}.safetensors"
+        save_file(self.current, str(path), metadata={"format": "pt"})
+        self.parts.append((path, list(self.current)))
+        self.current, self.size = {}, 0
+
+    def finish(self) -> list[str]:
+        """Renames parts to their final names, writes the index when sharded; returns file names."""
+        self.flush()
+        n = len(self.parts)
+        if n == 0:
+            raise ValueError("the merged model has no tensors")
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map, total = {}, 0
+        for (path, keys), name in zip(self.parts, names):
+            os.replace(path, self.stage / name)
+            total += (self.stage / name).stat().st_size
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def _resolve_base(base: str | Path) -> Path:
+    """A local checkpoint folder for ``base``: the path itself, or a Hub snapshot (downloads)."""
+    path = Path(base).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(base).startswith((".", "/", "~")) or str(base).count("/") != 1:
+        raise FileNotFoundError(f"base {str(base)!r} is neither a local checkpoint folder nor a Hub id")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(base), allow_patterns=["*.safetensors", "*.json"]))
+
+
+def _embedding_keys(inner: nn.Module) -> tuple[str | None, str | None]:
+    names = {id(m): n for n, m in inner.named_modules()}
+    keys = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            mod = getattr(inner, getter)()
+        except (AttributeError, NotImplementedError):
+            mod = None
+        keys.append(f"{names[id(mod)]}.weight" if mod is not None and id(mod) in names else None)
+    return keys[0], keys[1]
+
+
+def _merge_from_base(stage: Path, base_dir: Path, rules: MergeRules, dtype: torch.dtype) -> list[str]:
+    """Streams ``base_dir``'s shards: each output shard = base shard with LoRA merged / modules replaced."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shards = checkpoint_shards(base_dir)
+    pending = set(rules.merge) | set(rules.replace)
+    n = len(shards)
+    weight_map, names, total = {}, [], 0
+    for i, (path, keys) in enumerate(shards):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                if key in rules.replace:
+                    tensor = rules.replace[key]()
+                else:
+                    tensor = f.get_tensor(key)
+                    if key in rules.merge:
+                        if tuple(tensor.shape) != rules.shapes[key]:
+                            raise ValueError(f"LoRA merge of {key!r}: base has shape {tuple(tensor.shape)}, "
+                                             f"the adapter was trained on {rules.shapes[key]}")
+                        tensor = rules.merge[key](tensor.float())
+                pending.discard(key)
+                out[key] = _cast(tensor, dtype)
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(out, str(stage / name), metadata={"format": "pt"})
+        total += (stage / name).stat().st_size
+        weight_map.update({k: name for k in out})
+        names.append(name)
+        del out
+    missing = sorted(k for k in pending if k in rules.merge)
+    if missing:
+        raise ValueError(f"base checkpoint {base_dir} has no tensor for the LoRA-merged key(s) {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}: is it the model the adapter was trained on?")
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _save_config(inner: nn.Module, stage: Path, dtype: torch.dtype, untie: bool) -> None:
+    config = copy.deepcopy(inner.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = dtype
+    if untie and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+    config.save_pretrained(str(stage))
+    generation_config = getattr(inner, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(stage))
+
+
+def _remove_stale_shards(out_dir: Path, keep: list[str]) -> None:
+    for p in out_dir.glob("model*.safetensors"):
+        if p.name not in keep:
+            p.unlink()
+    if len(keep) == 1 and (out_dir / "model.safetensors.index.json").exists():
+        (out_dir / "model.safetensors.index.json").unlink()
+
+
+def save_merged(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base: str | Path | None = None,
+                dtype: torch.dtype | str = torch.bfloat16, max_shard_size: int | str = "5GB") -> Path:
+    """Saves LoRA-merged weights that load with ``AutoModelForCausalLM.from_pretrained``.
+
+    The merge runs in float32 and casts to ``dtype`` at the write. The live model is untouched.
+
+    Args:
+        model: a ``peft.PeftModel`` (LoRA, possibly on an NF4/int8 bitsandbytes base) or a plain
+            transformers model (then this is a dequantising ``save_pretrained``).
+        out_dir: destination folder (created).
+        tokenizer: saved beside the weights when given.
+        base: None merges onto the model's own base weights (dequantised when quantised). A local
+            checkpoint folder or Hub id of the 16-bit original merges onto those instead, streaming
+            one shard at a time (no network when local).
+        dtype: torch dtype or one of "bfloat16", "float16", "float32".
+        max_shard_size: shard size for ``base=None`` ("5GB", "200MB" or bytes); with ``base`` the
+            base's sharding is kept.
+
+    Returns:
+        ``out_dir`` as a Path. Writes ``config.json`` (without ``quantization_config``),
+        ``generation_config.json``, safetensors shards (+ index) and the tokenizer files.
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be a torch dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    out_dir = Path(out_dir)
+    inner = unwrap_model(model)
+    entries, rules = model_weights(model)
+    in_key, out_key = _embedding_keys(inner)
+    names_present = {e.name for e in entries}
+    untie = rules.untie or (in_key != out_key and in_key in names_present and out_key in names_present
+                            and getattr(inner.config, "tie_word_embeddings", False))
+    with torch.no_grad(), staged_dir(out_dir) as stage:
+        if base is None:
+            writer = _ShardWriter(stage, _parse_size(max_shard_size))
+            for entry in entries:
+                writer.add(entry.name, _cast(entry.load(), dtype))
+            shard_names = writer.finish()
+        else:
+            shard_names = _merge_from_base(stage, _resolve_base(base), rules, dtype)
+        _save_config(inner, stage, dtype, untie)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(stage))
+    _remove_stale_shards(out_dir, shard_names)
+    logger.info("saved merged %s model to %s (%d shard(s))", str(dtype).replace("torch.", ""), out_dir,
+                len(shard_names))
+    return out_dir
+
+
+def export_after_training(trainer, fast_config):
+    """End-of-``train()`` export and push (see ``hub.export_after_training``, where it is defined)."""
+    from .hub import export_after_training as run
+
+    return run(trainer, fast_config)

@@ -1,0 +1,263 @@
+"""llama.cpp format knowledge, per GGUF architecture: metadata keys and tensor transforms.
+
+Keyed by the GGUF arch name (``FamilySpec.gguf_arch`` in ``model_patches/families.py``). Learned
+from llama.cpp's converter and loader (``src/models/<arch>.cpp``), not copied from them:
+
+- q/k row permutation: llama.cpp's "llama" and "granite" graphs apply RoPE to adjacent pairs
+  (``LLAMA_ROPE_TYPE_NORM``) while HF rotates halves; the rows of each q/k head are reordered
+  from [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}] to interleaved pairs. Every other arch here (qwen2,
+  qwen3, gemma*, phi3, olmo2) runs NEOX-style RoPE on the HF layout: no permutation.
+- Gemma RMSNorms scale by (1 + w); llama.cpp multiplies by the stored weight, so 1 is added to
+  every ``*norm.weight`` (q/k norms included for Gemma 3).
+- gemma/gemma2 always read the output projection from ``token_embd`` (tied); olmo2 requires an
+  ``output`` tensor (written from the embeddings when the model is tied).
+- gemma2/gemma3 scale queries by 1/sqrt(head_dim) (27B shapes aside), so ``query_pre_attn_scalar``
+  must equal ``head_dim``; granite takes no ``head_dim`` other than hidden/heads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def rope_settings(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """RoPE parameters from a transformers 5 (``rope_parameters``) or 4 (``rope_theta``/``rope_scaling``) config."""
+    params = cfg.get("rope_parameters") or {}
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = params[layer_type]
+    elif "full_attention" in params or "sliding_attention" in params:
+        params = params.get("full_attention", {})
+    out = dict(cfg.get("rope_scaling") or {})
+    out.update(params)
+    if "rope_theta" not in out:
+        if layer_type == "sliding_attention" and cfg.get("rope_local_base_freq") is not None:
+            out["rope_theta"] = cfg["rope_local_base_freq"]
+        else:
+            out["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    out.setdefault("rope_type", out.get("type", "default"))
+    return out
+
+
+def head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half row order → GGML interleaved pairs, per head (weights [rows, cols] or biases [rows])."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _swa_pattern(cfg: dict[str, Any]) -> list[bool] | None:
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        return None
+    return [t == "sliding_attention" for t in layer_types]
+
+
+def _check_query_scale(cfg: dict[str, Any]) -> None:
+    scalar = cfg.get("query_pre_attn_scalar")
+    if scalar is not None and scalar != head_dim(cfg):
+        logger.warning("query_pre_attn_scalar=%s differs from head_dim=%s: llama.cpp scales queries by "
+                       "1/sqrt(head_dim) except for the 27B shapes; logits may differ", scalar, head_dim(cfg))
+
+
+def _common(w, cfg: dict[str, Any], arch: str) -> None:
+    n_head = cfg["num_attention_heads"]
+    w.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or n_head)
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(cfg["vocab_size"])
+    hd = head_dim(cfg)
+    if arch != "granite":
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    elif hd != cfg["hidden_size"] // n_head:
+        raise ValueError(f"granite GGUF needs head_dim == hidden_size / num_attention_heads, got head_dim={hd}")
+    rope = rope_settings(cfg)
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    w.add_rope_dimension_count(int(hd * partial))
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    _rope_scaling(w, cfg, rope, arch)
+
+
+def _rope_scaling(w, cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> None:
+    import gguf
+
+    kind = str(rope.get("rope_type") or "default").lower()
+    if kind == "default":
+        return
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
+                                            or cfg.get("original_max_position_embeddings")))
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+                         ("attention_factor", w.add_rope_scaling_yarn_attn_factor)):
+            if rope.get(key) is not None:
+                add(float(rope[key]))
+    elif kind == "llama3" and arch == "llama":
+        pass  # written as the rope_freqs tensor (extra_tensors)
+    elif kind in ("longrope", "su") and arch == "phi3":
+        pass  # rope_factors_long/short tensors (extra_tensors)
+    else:
+        raise ValueError(f"RoPE type {kind!r} is not supported for GGUF arch {arch!r}")
+
+
+def _meta_llama(w, cfg):
+    if cfg.get("sliding_window") and cfg["sliding_window"] < int(cfg.get("max_position_embeddings") or 0):
+        logger.warning("llama.cpp's llama graph has no sliding window: attention beyond %d tokens differs",
+                       cfg["sliding_window"])
+
+
+def _meta_gemma2(w, cfg):
+    _check_query_scale(cfg)
+    w.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"] or 0.0))
+    w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"] or 0.0))
+    w.add_sliding_window(int(cfg["sliding_window"]))
+    if (pattern := _swa_pattern(cfg)) is not None:
+        w.add_sliding_window_pattern(pattern)
+
+
+def _meta_gemma3(w, cfg):
+    _check_query_scale(cfg)
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("gemma3 GGUF has no attention soft-cap; attn_logit_softcapping must be None")
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(int(cfg["sliding_window"]))
+        if (pattern := _swa_pattern(cfg)) is not None:
+            w.add_sliding_window_pattern(pattern)
+        w.add_rope_freq_base_swa(float(rope_settings(cfg, "sliding_attention")["rope_theta"]))
+
+
+def _meta_phi3(w, cfg):
+    rope = rope_settings(cfg)
+    orig = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings")
+    w.add_rope_scaling_orig_ctx_len(int(orig))
+    w.add_sliding_window(int(cfg.get("sliding_window") or 0))
+    if (factor := phi3_attn_factor(cfg)) is not None:
+        w.add_rope_scaling_attn_factors(factor)
+
+
+def _meta_granite(w, cfg):
+    for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
+                     ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+        if cfg.get(key) is not None:
+            add(float(cfg[key]))
+
+
+def _meta_olmo2(w, cfg):
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(int(cfg["sliding_window"]))
+        if (pattern := _swa_pattern(cfg)) is not None:
+            w.add_sliding_window_pattern(pattern)
+
+
+def _meta_none(w, cfg):
+    return None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between GGUF architectures.
+
+    Attributes:
+        name: GGUF ``general.architecture``.
+        permute_qk: reorder q/k rows from HF rotate-half to GGML interleaved pairs.
+        norm_shift: added to every ``*norm.weight`` tensor.
+        output: "optional" (``output`` written when the model has its own lm_head), "never"
+            (llama.cpp reads token_embd; an untied lm_head cannot be represented), "required".
+        metadata: writes the arch-specific keys.
+    """
+
+    name: str
+    permute_qk: bool = False
+    norm_shift: float = 0.0
+    output: str = "optional"
+    metadata: Callable = _meta_none
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", permute_qk=True, metadata=_meta_llama),
+    "granite": ArchSpec("granite", permute_qk=True, metadata=_meta_granite),
+    "qwen2": ArchSpec("qwen2"),
+    "qwen3": ArchSpec("qwen3"),
+    "gemma": ArchSpec("gemma", norm_shift=1.0, output="never"),
+    "gemma2": ArchSpec("gemma2", norm_shift=1.0, output="never", metadata=_meta_gemma2),
+    "gemma3": ArchSpec("gemma3", norm_shift=1.0, metadata=_meta_gemma3),
+    "phi3": ArchSpec("phi3", metadata=_meta_phi3),
+    "olmo2": ArchSpec("olmo2", output="required", metadata=_meta_olmo2),
+}
+
+
+def write_arch_metadata(writer, cfg: dict[str, Any], arch: str) -> None:
+    """Writes the hyper-parameters llama.cpp reads for ``arch``."""
+    _common(writer, cfg, arch)
+    ARCHS[arch].metadata(writer, cfg)
+
+
+def transform(arch: str, hf_name: str, data: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """The arch's tensor transform of one HF tensor (same shape)."""
+    spec = ARCHS[arch]
+    if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        data = permute_rows(data, cfg["num_attention_heads"])
+    elif spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        data = permute_rows(data, cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    if spec.norm_shift and hf_name.endswith("norm.weight"):
+        data = data + np.float32(spec.norm_shift)
+    return data
+
+
+def extra_tensors(arch: str, cfg: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """Tensors llama.cpp needs that the checkpoint does not hold (RoPE frequency factors)."""
+    rope = rope_settings(cfg)
+    kind = str(rope.get("rope_type") or "default").lower()
+    if arch == "llama" and kind == "llama3":
+        hd = head_dim(cfg)
+        freqs = 1.0 / (float(rope["rope_theta"]) ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        factor = float(rope.get("factor", 8.0))
+        low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+        old_ctx = float(rope.get("original_max_position_embeddings", 8192))
+        factors = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < old_ctx / high:
+                factors.append(1.0)
+            elif wavelen > old_ctx / low:
+                factors.append(factor)
+            else:
+                smooth = (old_ctx / wavelen - low) / (high - low)
+                factors.append(1.0 / ((1 - smooth) / factor + smooth))
+        return [("rope_freqs.weight", np.asarray(factors, dtype=np.float32))]
+    if arch == "phi3" and kind in ("longrope", "su"):
+        return [("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32)),
+                ("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))]
+    return []
+
+
+def phi3_attn_factor(cfg: dict[str, Any]) -> float | None:
+    """LongRoPE attention factor for phi3 (None without long-context scaling)."""
+    rope = rope_settings(cfg)
+    if str(rope.get("rope_type") or "").lower() not in ("longrope", "su"):
+        return None
+    orig = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    scale = cfg["max_position_embeddings"] / orig
+    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0

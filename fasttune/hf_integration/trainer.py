@@ -1,0 +1,89 @@
+"""FastTrainer: ``transformers.Trainer`` with fasttune's patches, fused loss and throughput logs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from transformers import Trainer
+
+from ..config import FastConfig
+from ..model_patches import patch_model
+from ..model_patches.head import head_forward
+from .callback import log_report
+from .throughput import ThroughputMeter
+
+logger = logging.getLogger("fasttune")
+
+
+def resolve_checkpointing(args, config: FastConfig) -> FastConfig:
+    """Map the Trainer's activation/gradient checkpointing flag onto ``config.checkpointing``.
+
+    The user asked for checkpointing and chose no fasttune mode → "offload". Whenever fasttune
+    checkpoints, the Trainer's own flag is cleared so layers are never wrapped twice.
+    """
+    if args is None:
+        return config
+    asked = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+    if asked and config.checkpointing is None:
+        config = dataclasses.replace(config, checkpointing="offload")
+    if config.checkpointing is not None:
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if hasattr(args, name):
+                setattr(args, name, False)
+    return config
+
+
+class FastTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model runs on fasttune's kernels.
+
+    In ``__init__`` the model instance is patched (``patch_model``); the causal-LM loss is then
+    the fused linear cross-entropy (``num_items_in_batch`` honoured, so gradient accumulation over
+    micro-batches of different lengths gives the full-batch gradient), label smoothing included.
+    Each log line gains ``tokens_per_second`` and ``peak_memory_gib``. At the end of ``train()``
+    the artifacts in ``fast_config.export_artifacts`` are saved and, with ``push_to_hub``, pushed.
+
+    Args:
+        *args: as for ``transformers.Trainer``.
+        fast_config: fasttune options; ``FastConfig()`` when None.
+        **kwargs: as for ``transformers.Trainer``.
+    """
+
+    def __init__(self, *args, fast_config: FastConfig | None = None, **kwargs):
+        config = fast_config or FastConfig()
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.fast_config = resolve_checkpointing(training_args, config)
+        super().__init__(*args, **kwargs)
+        self.patch_report = patch_model(self.model, self.fast_config)
+        if self.is_world_process_zero():
+            log_report(self.patch_report)
+        head = head_forward(self._causal_lm())
+        if head is not None and self.label_smoother is not None:
+            # Same math as HF's LabelSmoother, inside the fused kernel: the logits stay unmaterialised.
+            head.label_smoothing = float(self.label_smoother.epsilon)
+            self.label_smoother = None
+        self._throughput = ThroughputMeter()
+
+    def _causal_lm(self):
+        from ..model_patches import find_causal_lm
+
+        return find_causal_lm(self.model)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.fast_config.log_throughput:
+            self._throughput.count(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.fast_config.log_throughput and "loss" in logs:
+            logs.update(self._throughput.read())
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        cfg = self.fast_config
+        if cfg.export_artifacts or cfg.push_to_hub:
+            from .export import export_after_training
+
+            export_after_training(self, cfg)
+        return output

@@ -1,0 +1,383 @@
+"""Fused LoRA projections with hand-written backward: y = x Wᵀ (+ b) + s·(x Aᵀ) Bᵀ.
+
+Shapes: x [..., in] (flattened to X [N, in]); frozen base W [out, in], dense or bitsandbytes NF4
+(dequantised on the fly, see ``BaseWeight``); optional frozen bias b [out]; adapter A [r, in],
+B [out, r]; scaling s a Python number (PEFT's ``lora_alpha / r``).
+
+Forward (matrix products through torch, i.e. cuBLAS on the GPU, in x's dtype):
+
+    XA = X Aᵀ                      [N, r]
+    Y  = s · XA Bᵀ (+ b) + X Wᵀ     [N, out]
+
+Backward from dY [N, out]; W and b are frozen and get no gradient:
+
+    dYB = s · dY B                 [N, r]
+    dX  = dYB A + dY W             [N, in]
+    dA  = dYBᵀ X                   [r, in]
+    dB  = s · dYᵀ XA               [out, r]
+
+The rank-r term of Y (and of dX) is written first and the big base product accumulates onto it
+in cuBLAS's epilogue (beta = 1), free in a compute-bound product, instead of a read-modify-write
+pass over Y afterwards.
+
+Saved for backward: X and XA (r columns) only; not Y, and never a dequantised W: an NF4 W is
+dequantised again in backward into a scratch buffer that dies with the call. dX is skipped
+(and W not even dequantised) when x needs no gradient.
+
+``lora_qkv`` runs three projections of one X as one Function: the three adapters' A matrices
+are stacked, so XA = X [A_q; A_k; A_v]ᵀ is one product and one saved [N, r_q+r_k+r_v] tensor,
+and backward sums dX = Σ_p dY_p W_p + [dYB_q dYB_k dYB_v] [A_q; A_k; A_v] in one buffer. A
+projection whose A is None has no adapter (only q and v targeted, say). ``lora_o`` is
+``lora_linear``. The gated MLP lives in ``lora_glu.py`` (``lora_mlp``).
+
+Dtypes: x is float32, float16 or bfloat16 and sets the compute dtype. A dense W must have x's
+dtype; an NF4 W is dequantised straight to it (rounded to its QuantState dtype first, like
+bitsandbytes' ``dequantize_4bit(...).to(x.dtype)``). A and B may be x's dtype or float32 (PEFT
+upcasts adapters to float32 by default); they are used in x's dtype, as under torch.autocast,
+and their gradients come back in their own dtype. A bias is cast to x's dtype (as bitsandbytes
+does). Under an active torch.autocast, x (and a dense W of another dtype) are first cast to the
+autocast dtype, as F.linear would be.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import check_float, check_same_device
+from .nf4 import dequantize_nf4
+
+__all__ = ["BaseWeight", "lora_linear", "lora_o", "lora_qkv"]
+
+
+class BaseWeight:
+    """A frozen base-layer weight [out, in]: a dense tensor or an NF4 ``(packed, quant_state)``.
+
+    Args:
+        weight: the dense weight, or the packed NF4 codes (``Params4bit.data``) when
+            ``quant_state`` is given.
+        quant_state: the bitsandbytes ``QuantState`` of an NF4 weight (duck-typed), else None.
+        bias: optional frozen bias [out].
+
+    Raises ValueError when the weight or bias requires grad: the fused LoRA Functions give the
+    base layer no gradient, so a trainable base weight would silently stop training.
+    """
+
+    __slots__ = ("weight", "quant_state", "bias")
+
+    def __init__(self, weight: torch.Tensor, quant_state=None, bias: torch.Tensor | None = None):
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if quant_state is None:
+            if weight.dim() != 2 or not weight.is_floating_point():
+                raise ValueError(f"a dense base weight must be a 2-D float tensor, got {weight.dim()}-D {weight.dtype}")
+        elif len(getattr(quant_state, "shape", ())) != 2:
+            raise ValueError("quant_state.shape must be [out_features, in_features]")
+        if weight.requires_grad:
+            raise ValueError("the base weight requires grad, but fused LoRA gives the frozen base weight no "
+                             "gradient: freeze it (requires_grad_(False)) or keep this layer on the stock path")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or bias.shape != (self._shape(weight, quant_state)[0],):
+                raise ValueError(f"bias must be a tensor of shape [{self._shape(weight, quant_state)[0]}]")
+            if bias.requires_grad:
+                raise ValueError("the base bias requires grad, but fused LoRA gives it no gradient: freeze it")
+        self.weight, self.quant_state, self.bias = weight, quant_state, bias
+
+    @staticmethod
+    def _shape(weight, quant_state) -> tuple[int, int]:
+        return tuple(weight.shape) if quant_state is None else tuple(quant_state.shape)
+
+    @classmethod
+    def of(cls, base) -> BaseWeight:
+        """Coerce a BaseWeight, a dense tensor or a ``(packed, quant_state)`` pair."""
+        if isinstance(base, BaseWeight):
+            return base
+        if isinstance(base, torch.Tensor):
+            return cls(base)
+        if isinstance(base, (tuple, list)) and len(base) == 2:
+            return cls(base[0], base[1])
+        raise TypeError(f"base must be a tensor, a (packed, quant_state) pair or a BaseWeight, got {type(base).__name__}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features)."""
+        return self._shape(self.weight, self.quant_state)
+
+    @property
+    def is_nf4(self) -> bool:
+        return self.quant_state is not None
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def materialize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full-precision weight [out, in].
+
+        Dense: the tensor itself (a cast copy when ``dtype`` differs). NF4: dequantised into
+        ``out`` (any contiguous buffer with at least ``numel`` elements; its dtype wins) or a new
+        tensor of ``dtype`` (default: the QuantState's).
+        """
+        if not self.is_nf4:
+            return self.weight if dtype in (None, self.weight.dtype) else self.weight.to(dtype)
+        if out is not None:
+            if not out.is_contiguous() or out.numel() < self.numel:
+                raise ValueError(f"out must be contiguous with at least {self.numel} elements")
+            out = out.view(-1)[: self.numel].view(self.shape)
+        elif dtype is not None:
+            out = torch.empty(self.shape, dtype=dtype, device=self.weight.device)
+        return dequantize_nf4(self.weight, self.quant_state, out=out)
+
+
+def scratch_for(bases, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """One buffer big enough for the largest NF4 weight among ``bases`` (None when all dense):
+    each projection is dequantised into it in turn, so one layer never holds two weights."""
+    sizes = [b.numel for b in bases if b.is_nf4]
+    return torch.empty(max(sizes), dtype=dtype, device=device) if sizes else None
+
+
+def autocast_input(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """x cast to the active autocast dtype of its device (differentiably), and whether autocast is on."""
+    dev = x.device.type
+    if dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return (x if x.dtype == dt else x.to(dt)), True
+    return x, False
+
+
+def check_projection(name: str, spec, x: torch.Tensor, autocast: bool):
+    """Validate one ``(base, lora_a, lora_b, scaling)`` spec against x; returns it normalised."""
+    if not isinstance(spec, (tuple, list)) or len(spec) != 4:
+        raise TypeError(f"{name} must be a (base, lora_a, lora_b, scaling) tuple")
+    base, a, b, s = spec
+    base = BaseWeight.of(base)
+    out_f, in_f = base.shape
+    if x.shape[-1] != in_f:
+        raise ValueError(f"{name}: x has {x.shape[-1]} features, the base weight expects {in_f}")
+    check_same_device(x=x, **{f"{name}_weight": base.weight, f"{name}_bias": base.bias})
+    if not base.is_nf4 and base.weight.dtype != x.dtype and not autocast:
+        raise TypeError(f"{name}: base weight is {base.weight.dtype} but x is {x.dtype}")
+    if (a is None) != (b is None):
+        raise ValueError(f"{name}: lora_a and lora_b must both be tensors or both be None")
+    if a is None:
+        return base, None, None, 0.0
+    for arg, t in (("lora_a", a), ("lora_b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name}: {arg} must be a 2-D tensor")
+    if a.shape[1] != in_f:
+        raise ValueError(f"{name}: lora_a is {tuple(a.shape)}, expected [r, {in_f}]")
+    if b.shape[0] != out_f:
+        raise ValueError(f"{name}: lora_b is {tuple(b.shape)}, expected [{out_f}, r]")
+    if b.shape[1] != a.shape[0]:
+        raise ValueError(f"{name}: rank mismatch, lora_a has r={a.shape[0]} rows, lora_b r={b.shape[1]} columns")
+    if a.dtype != b.dtype or a.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"{name}: lora_a/lora_b are {a.dtype}/{b.dtype}; both must be x's dtype ({x.dtype}) or float32")
+    check_same_device(x=x, **{f"{name}_lora_a": a, f"{name}_lora_b": b})
+    if isinstance(s, bool) or not isinstance(s, numbers.Real):
+        raise TypeError(f"{name}: scaling must be a Python number, got {type(s).__name__}")
+    return base, a, b, float(s)
+
+
+def grad_as(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A gradient in its parameter's dtype (float32 adapters get their computed-in-x-dtype grad cast)."""
+    return g if g.dtype == like.dtype else g.to(like.dtype)
+
+
+def adapters_of(tensors, scalings):
+    """[(A, B, s) or None] per projection from the flat (A, B, A, B, ...) Function inputs."""
+    return [None if tensors[2 * p] is None else (tensors[2 * p], tensors[2 * p + 1], s)
+            for p, s in enumerate(scalings)]
+
+
+def _stack_a(adapters, dt):
+    a_list = [ad[0].to(dt) for ad in adapters if ad is not None]
+    return torch.cat(a_list) if len(a_list) > 1 else (a_list[0] if a_list else None)
+
+
+def stacked_xa(x2: torch.Tensor, adapters) -> torch.Tensor | None:
+    """XA = X [A_p; ...]ᵀ for the projections p of one input that have an adapter (one product)."""
+    a = _stack_a(adapters, x2.dtype)
+    return None if a is None else x2 @ a.t()
+
+
+def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch) -> list[torch.Tensor]:
+    """Y_p = s_p·XA_p B_pᵀ (+ b_p) + X W_pᵀ for each projection p of one input (rank-r term
+    first, base product accumulated in the epilogue; module docstring)."""
+    dt = x2.dtype
+    ys, col = [], 0
+    for base, ad in zip(bases, adapters):
+        w = base.materialize(out=scratch, dtype=dt)
+        bias = None if base.bias is None else base.bias.to(dt)
+        if ad is None:
+            ys.append(F.linear(x2, w, bias))
+            continue
+        a, b, s = ad
+        xa_p, bt = xa[:, col:col + a.shape[0]], b.to(dt).t()
+        col += a.shape[0]
+        if bias is None:  # beta = 0: the first argument only lends its shape and is never read
+            y = torch.addmm(bt[0], xa_p, bt, beta=0, alpha=s)
+        else:
+            y = torch.addmm(bias, xa_p, bt, alpha=s)
+        ys.append(y.addmm_(x2, w.t()))
+    return ys
+
+
+def adapter_dyb(dys, adapters) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dYB = [s_p dY_p B_p]_p stacked by columns [N, Σr], and the matching stacked [A_p] [Σr, in]."""
+    parts = [torch.mm(dy, ad[1].to(dy.dtype)).mul_(ad[2]) for dy, ad in zip(dys, adapters) if ad is not None]
+    if not parts:
+        return None, None
+    return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]), _stack_a(adapters, dys[0].dtype)
+
+
+def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | None, scratch) -> torch.Tensor:
+    """dX = dYB [A_p] + Σ_p dY_p W_p; the rank-r term first so each base product accumulates in
+    the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``."""
+    dx = None if dyb is None else torch.mm(dyb, a_stacked)
+    for dy, base in zip(dys, bases):
+        w = base.materialize(out=scratch, dtype=dy.dtype)
+        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
+    return dx
+
+
+def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
+    """dA = dYBᵀ X split by rows (one product for all p); dB_p = s_p dY_pᵀ XA_p. None where unneeded."""
+    n = len(adapters)
+    da, db = [None] * n, [None] * n
+    da_all = dyb.t() @ x2 if dyb is not None and any(need_a) else None
+    col = 0
+    for p, ad in enumerate(adapters):
+        if ad is None:
+            continue
+        a, b, s = ad
+        r = a.shape[0]
+        if need_a[p]:
+            da[p] = grad_as(da_all[col:col + r], a)
+        if need_b[p]:
+            db[p] = grad_as(torch.mm(dys[p].t(), xa[:, col:col + r]).mul_(s), b)
+        col += r
+    return da, db
+
+
+def group_backward(x2, dys, xa, bases, adapters, need, scratch):
+    """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's)."""
+    need_x, need_a, need_b = need
+    dyb, a_stacked = adapter_dyb(dys, adapters) if (need_x or any(need_a)) else (None, None)
+    dx = grad_input(dys, bases, dyb, a_stacked, scratch) if need_x else None
+    da, db = adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b)
+    return dx, da, db
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """y = x Wᵀ (+ b) + s·(x Aᵀ) Bᵀ; gradients for x, A and B (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, lora_a, lora_b, base: BaseWeight, scaling: float):
+        out_f, in_f = base.shape
+        x2 = x.reshape(-1, in_f)
+        adapters = adapters_of((lora_a, lora_b), (scaling,))
+        xa = stacked_xa(x2, adapters)
+        (y,) = project(x2, (base,), adapters, xa, None)
+        ctx.save_for_backward(x, xa, lora_a, lora_b)
+        ctx.base, ctx.scaling = base, scaling
+        return y.view(*x.shape[:-1], out_f)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, xa, lora_a, lora_b = ctx.saved_tensors
+        base = ctx.base
+        x2, dy2 = x.reshape(-1, base.shape[1]), dy.reshape(-1, base.shape[0])
+        need = ctx.needs_input_grad
+        dx, (da,), (db,) = group_backward(x2, (dy2,), xa, (base,), adapters_of((lora_a, lora_b), (ctx.scaling,)),
+                                          (need[0], need[1:2], need[2:3]), None)
+        return (None if dx is None else dx.view(x.shape)), da, db, None, None
+
+
+def _prepare_linear(x, base, lora_a, lora_b, scaling, bias, name="base"):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float("x", x)
+    x, autocast = autocast_input(x)
+    base = BaseWeight.of(base)
+    if bias is not None:
+        if base.bias is not None:
+            raise ValueError("bias given twice: as bias= and on the BaseWeight")
+        base = BaseWeight(base.weight, base.quant_state, bias)
+    return (x, *check_projection(name, (base, lora_a, lora_b, scaling), x, autocast))
+
+
+def lora_linear(x: torch.Tensor, base, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                scaling: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A LoRA linear layer ``x Wᵀ (+ bias) + scaling·(x Aᵀ) Bᵀ`` with a hand-written backward.
+
+    Args:
+        x: input [..., in], float32/float16/bfloat16.
+        base: the frozen weight: a dense [out, in] tensor, an NF4 ``(packed, quant_state)`` pair,
+            or a ``BaseWeight`` (which may carry the bias).
+        lora_a: A [r, in] (x's dtype or float32), or None for no adapter.
+        lora_b: B [out, r], same dtype as A, or None.
+        scaling: the adapter's scale (PEFT's ``scaling[adapter]``).
+        bias: optional frozen bias [out].
+
+    Returns:
+        [..., out] in x's dtype (the autocast dtype under torch.autocast). Gradients flow to x,
+        lora_a and lora_b; the base weight and bias must not require grad.
+    """
+    x, base, a, b, s = _prepare_linear(x, base, lora_a, lora_b, scaling, bias)
+    return LoRALinearFunction.apply(x, a, b, base, s)
+
+
+lora_o = lora_linear
+
+
+class LoRAQKVFunction(torch.autograd.Function):
+    """(Q, K, V) = three LoRA projections of one x; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, aq, bq, ak, bk, av, bv, bases, scalings):
+        x2 = x.reshape(-1, bases[0].shape[1])
+        adapters = adapters_of((aq, bq, ak, bk, av, bv), scalings)
+        xa = stacked_xa(x2, adapters)
+        ys = project(x2, bases, adapters, xa, scratch_for(bases, x.dtype, x.device))
+        ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv)
+        ctx.bases, ctx.scalings = bases, scalings
+        return tuple(y.view(*x.shape[:-1], base.shape[0]) for y, base in zip(ys, bases))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, xa, *ab = ctx.saved_tensors
+        bases = ctx.bases
+        x2 = x.reshape(-1, bases[0].shape[1])
+        need = ctx.needs_input_grad
+        dys = [g.reshape(-1, base.shape[0]) for g, base in zip((dq, dk, dv), bases)]
+        scratch = scratch_for(bases, x.dtype, x.device) if need[0] else None
+        dx, da, db = group_backward(x2, dys, xa, bases, adapters_of(ab, ctx.scalings),
+                                    (need[0], need[1:7:2], need[2:7:2]), scratch)
+        grads = [g for pair in zip(da, db) for g in pair]
+        return (None if dx is None else dx.view(x.shape), *grads, None, None)
+
+
+def lora_qkv(x: torch.Tensor, q, k, v):
+    """Query, key and value LoRA projections of one input, as one autograd Function.
+
+    Args:
+        x: hidden states [..., D], float32/float16/bfloat16.
+        q, k, v: each a ``(base, lora_a, lora_b, scaling)`` tuple as in ``lora_linear``
+            (``base`` a dense tensor, an NF4 ``(packed, quant_state)`` pair or a ``BaseWeight``
+            carrying an optional bias); ``lora_a = lora_b = None`` for a projection without an
+            adapter. Output widths may differ (GQA).
+
+    Returns:
+        (Q, K, V), each [..., out_p] in x's dtype.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float("x", x)
+    x, autocast = autocast_input(x)
+    specs = [check_projection(name, spec, x, autocast) for name, spec in (("q", q), ("k", k), ("v", v))]
+    bases = tuple(sp[0] for sp in specs)
+    scalings = tuple(sp[3] for sp in specs)
+    tensors = [t for sp in specs for t in sp[1:3]]
+    return LoRAQKVFunction.apply(x, *tensors, bases, scalings)

@@ -1,0 +1,231 @@
+"""Fused LoRA gated MLP: y = down(act(gate(x)) · up(x)), one autograd Function.
+
+Each projection p ∈ {gate, up, down} is a LoRA linear (``lora.py``): p(z) = z W_pᵀ (+ b_p)
++ s_p·(z A_pᵀ) B_pᵀ, with a frozen dense or NF4 W_p. X [N, D] is x flattened, I the
+intermediate width, act one of silu (SwiGLU), gelu_tanh or gelu (GeGLU).
+
+Forward (products through torch/cuBLAS in x's dtype, the elementwise step in Triton, fp32 math):
+
+    G  = gate(X),  U = up(X)                [N, I]   (X [A_g; A_u]ᵀ is one product: XA)
+    H  = act(G) · U                         [N, I]   (rounded once to x's dtype)
+    Y  = down(H),  HA = H A_dᵀ              [N, r_d]
+
+Backward from dY [N, D_out]; with a = act(G) and a' = act'(G):
+
+    dYB_d = s_d · dY B_d ;  dH = dY W_d + dYB_d A_d
+    dB_d  = s_d · dYᵀ HA ;  dA_d = dYB_dᵀ H            (H recomputed from G, U)
+    dU = dH · a ;  dG = dH · U · a'                    (one Triton pass, see below)
+    dX = dG W_g + dU W_u + [dYB_g dYB_u] [A_g; A_u],  dA_p, dB_p as in lora.py with dY_p = dG, dU
+
+    silu:      a = g σ(g),                  a' = σ(g) (1 + g (1 − σ(g)))
+    gelu_tanh: a = ½ g (1 + t), t = tanh(k (g + 0.044715 g³)), k = √(2/π),
+               a' = ½ (1 + t) + ½ g (1 − t²) k (1 + 3·0.044715 g²)
+    gelu:      a = ½ g (1 + erf(g/√2)),     a' = ½ (1 + erf(g/√2)) + g e^(−g²/2) / √(2π)
+
+Saved: X, G, U and the rank-wide XA, HA; not H, not act(G). The backward elementwise kernel
+reads G, U, dH once and writes dG over G, dU over U and H over dH (each program reads its
+elements before writing them), so no [N, I] buffer is allocated in backward besides dH. This
+consumes the saved G and U: backward runs once (retain_graph=True through it raises).
+
+Dtypes and frozen-weight rules as in ``lora.py``; tanh is 2σ(2z) − 1 (no libdevice).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import check_float, use_triton
+from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, check_projection,
+                   grad_input, group_backward, project, scratch_for, stacked_xa)
+from .nf4 import cast_rne
+
+__all__ = ["lora_mlp", "LoRAMLPFunction"]
+
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_BLOCK = 2048
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """act(g) and act'(g) in fp32."""
+    if ACT == 0:
+        sig = tl.sigmoid(g)
+        a = g * sig
+        da = sig * (1.0 + g * (1.0 - sig))
+    elif ACT == 1:
+        k = 0.7978845608028654  # sqrt(2/pi)
+        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0
+        a = 0.5 * g * (1.0 + t)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        a = g * cdf
+        da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1/sqrt(2 pi)
+    return a, da
+
+
+@triton.jit
+def _glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_grad(g, ACT)
+    tl.store(h_ptr + offs, cast_rne(a * u, DTYPE), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, n, ACT: tl.constexpr, STORE_H: tl.constexpr,
+                    DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    # In place: dG over G, dU over U, H over dH.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACT)
+    if STORE_H:
+        tl.store(dh_ptr + offs, cast_rne(a * u, DTYPE), mask=mask)
+    tl.store(g_ptr + offs, cast_rne(dh * u * da, DTYPE), mask=mask)
+    tl.store(u_ptr + offs, cast_rne(dh * a, DTYPE), mask=mask)
+
+
+def _act_torch(g: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(g), act'(g) in g's dtype (the fallback path passes float32)."""
+    if act == "silu":
+        sig = torch.sigmoid(g)
+        return g * sig, sig * (1.0 + g * (1.0 - sig))
+    if act == "gelu_tanh":
+        k = 0.7978845608028654
+        t = torch.tanh(k * (g + 0.044715 * g ** 3))
+        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)
+    cdf = 0.5 * (1.0 + torch.erf(g * 0.7071067811865476))
+    return g * cdf, cdf + g * torch.exp(-0.5 * g * g) * 0.3989422804014327
+
+
+def _check_flat(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+    """H = act(G)·U, fp32 math, rounded to G's dtype (G, U contiguous, same shape)."""
+    _check_flat(gate=g, up=u)
+    if use_triton(g, u):
+        h = torch.empty_like(g)
+        n = g.numel()
+        _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, h, n, ACT=_ACTIVATIONS[act], DTYPE=_TL_DTYPE[g.dtype],
+                                                   BLOCK=_BLOCK, num_warps=8)
+        return h
+    a, _ = _act_torch(g.float(), act)
+    return (a * u.float()).to(g.dtype)
+
+
+def glu_backward_(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: str, store_h: bool) -> None:
+    """In place: G ← dH·U·act'(G), U ← dH·act(G), and dH ← act(G)·U when ``store_h``."""
+    _check_flat(gate=g, up=u, grad_h=dh)
+    if use_triton(g, u, dh):
+        n = g.numel()
+        _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, dh, n, ACT=_ACTIVATIONS[act], STORE_H=store_h,
+                                                   DTYPE=_TL_DTYPE[g.dtype], BLOCK=_BLOCK, num_warps=8)
+        return
+    g32, u32, dh32 = g.float(), u.float(), dh.float()  # the tensors themselves when float32
+    a, da = _act_torch(g32, act)
+    h = a * u32 if store_h else None
+    dg, du = dh32 * u32 * da, dh32 * a
+    g.copy_(dg)
+    u.copy_(du)
+    if store_h:
+        dh.copy_(h)
+
+
+class LoRAMLPFunction(torch.autograd.Function):
+    """down(act(gate(x)) · up(x)) with LoRA on each projection; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, ag, bg, au, bu, ad, bd, bases, scalings, act):
+        gate, up, down = bases
+        x2 = x.reshape(-1, gate.shape[1])
+        scratch = scratch_for(bases, x.dtype, x.device)
+        gu_adapters = adapters_of((ag, bg, au, bu), scalings[:2])
+        xa = stacked_xa(x2, gu_adapters)
+        g, u = project(x2, (gate, up), gu_adapters, xa, scratch)
+        h = glu_forward(g, u, act)
+        d_adapters = adapters_of((ad, bd), scalings[2:])
+        ha = stacked_xa(h, d_adapters)
+        (y,) = project(h, (down,), d_adapters, ha, scratch)
+        ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd)
+        ctx.bases, ctx.scalings, ctx.act, ctx.consumed = bases, scalings, act, False
+        return y.view(*x.shape[:-1], down.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.consumed:
+            raise RuntimeError("lora_mlp's backward overwrites its saved activations and can run only once; "
+                               "do not backpropagate through it twice (retain_graph=True)")
+        ctx.consumed = True
+        x, g, u, xa, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
+        gate, up, down = ctx.bases
+        need = ctx.needs_input_grad
+        x2, dy2 = x.reshape(-1, gate.shape[1]), dy.reshape(-1, down.shape[0])
+        scratch = scratch_for(ctx.bases, x.dtype, x.device)
+
+        # Down projection: dH = dYB_d A_d + dY W_d; H is recomputed over dH only if dA_d needs it.
+        d_adapters = adapters_of((ad, bd), ctx.scalings[2:])
+        dyb_d, a_d = adapter_dyb((dy2,), d_adapters)
+        dh = grad_input((dy2,), (down,), dyb_d, a_d, scratch)
+        glu_backward_(g, u, dh, ctx.act, store_h=ad is not None and need[5])  # g ← dG, u ← dU, dh ← H
+        (da_d,), (db_d,) = adapter_grads(dh, (dy2,), ha, dyb_d, d_adapters, need[5:6], need[6:7])
+        del dh
+
+        # Gate and up share X: dX = [dYB_g dYB_u] [A_g; A_u] + dG W_g + dU W_u.
+        dx, da, db = group_backward(x2, (g, u), xa, (gate, up), adapters_of((ag, bg, au, bu), ctx.scalings[:2]),
+                                    (need[0], need[1:5:2], need[2:5:2]), scratch)
+        return (None if dx is None else dx.view(x.shape), da[0], db[0], da[1], db[1], da_d, db_d,
+                None, None, None)
+
+
+def lora_mlp(x: torch.Tensor, gate, up, down, activation: str = "silu") -> torch.Tensor:
+    """Gated MLP ``down(act(gate(x)) * up(x))`` with LoRA adapters, one fused autograd Function.
+
+    Args:
+        x: hidden states [..., D], float32/float16/bfloat16.
+        gate, up, down: each a ``(base, lora_a, lora_b, scaling)`` tuple as in
+            ``lora.lora_linear`` (``base`` a dense tensor, an NF4 ``(packed, quant_state)`` pair
+            or a ``BaseWeight``); ``lora_a = lora_b = None`` where a projection has no adapter.
+            gate and up are [I, D], down is [D_out, I].
+        activation: "silu" (SwiGLU: Llama, Mistral, Qwen), "gelu_tanh" (GeGLU: Gemma) or
+            "gelu" (exact erf GeGLU).
+
+    Returns:
+        [..., D_out] in x's dtype. Gradients flow to x and every lora_a/lora_b. Backward may
+        run once only (it reuses the saved activations' memory).
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu', 'gelu_tanh' or 'gelu', got {activation!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float("x", x)
+    x, autocast = autocast_input(x)
+    g_spec = check_projection("gate", gate, x, autocast)
+    u_spec = check_projection("up", up, x, autocast)
+    inter = g_spec[0].shape[0]
+    if u_spec[0].shape[0] != inter:
+        raise ValueError(f"gate has {inter} outputs but up has {u_spec[0].shape[0]}")
+    if not isinstance(down, (tuple, list)) or len(down) != 4:
+        raise TypeError("down must be a (base, lora_a, lora_b, scaling) tuple")
+    d_base = BaseWeight.of(down[0])
+    if d_base.shape[1] != inter:
+        raise ValueError(f"down expects {d_base.shape[1]} inputs but gate/up give {inter}")
+    # down's input is H (width I, x's dtype): validate it against a stand-in of that shape.
+    h_like = x.new_empty((0, inter))
+    d_spec = check_projection("down", (d_base, *down[1:]), h_like, autocast)
+    specs = (g_spec, u_spec, d_spec)
+    bases = tuple(sp[0] for sp in specs)
+    scalings = tuple(sp[3] for sp in specs)
+    tensors = [t for sp in specs for t in sp[1:3]]
+    return LoRAMLPFunction.apply(x, *tensors, bases, scalings, activation)

@@ -1,0 +1,202 @@
+"""NF4 dequantisation of bitsandbytes 4-bit weights (``Params4bit`` data + its ``QuantState``).
+
+Forward, for element i of the flattened weight (n = prod(shape) values, two 4-bit codes per byte,
+high nibble first):
+
+    W[i] = round_to(state.dtype, NF4_CODE[c_i] · absmax[i // blocksize])
+
+and with double quantisation (``state.nested``) the per-block scale is itself 8-bit:
+
+    absmax[b] = state2.code[q_b] · state2.absmax[b // state2.blocksize] + state.offset
+
+Both products and the sum are single fp32 operations in that order (the kernel is compiled
+without FMA contraction), and the result is rounded once, to nearest even, to ``state.dtype``:
+exactly what ``bitsandbytes.functional.dequantize_4bit`` computes on CUDA and in its PyTorch
+path. An ``out`` buffer of another dtype receives that rounded value cast again, i.e.
+``dequantize_4bit(...).to(out.dtype)`` (what bitsandbytes' matmul does with a compute dtype).
+No gradient: the weights are frozen.
+
+Limits: quant_type "nf4" only; blocksize and state2.blocksize powers of two (bitsandbytes uses
+32 … 4096 and 256); output fp32/fp16/bf16. The QuantState is duck-typed (no bitsandbytes import).
+The packed tensor may have any shape or storage dtype (``quant_storage``); its bytes are read in
+order. Unlike bitsandbytes' legacy shim, a packed tensor of shape [1, n/2] is not transposed back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._backend import check_same_device, use_triton
+
+__all__ = ["dequantize_nf4"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_BYTES_PER_PROGRAM = 1024  # 2048 values: ~5 KB of traffic per program in bf16
+
+
+@triton.jit
+def cast_rne(x, DTYPE: tl.constexpr):
+    """fp32 → DTYPE rounding to nearest even. The interpreter truncates bf16 casts, so bf16 is
+    rounded by hand (same bits as the GPU's cvt.rn for finite values)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _nf4_dequant_kernel(
+    packed_ptr, table_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, out_ptr,
+    n, n_bytes,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BYTES: tl.constexpr,
+):
+    # A program owns BYTES packed bytes = a [BYTES, 2] tile of values (high nibble in column 0),
+    # so each thread stores contiguous pairs. Both values of a byte share a block (blocksize is
+    # even): one scale per byte. (A [rows, cols, 2] tiling with one scale per row measured 6x
+    # slower on the H200.)
+    byte_idx = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    half = tl.arange(0, 2)
+    in_range = byte_idx < n_bytes
+    byte = tl.load(packed_ptr + byte_idx, mask=in_range, other=0).to(tl.int32)
+    nib = (byte[:, None] >> ((1 - half[None, :]) * 4)) & 15
+    val = tl.load(table_ptr + nib)
+    blk = (byte_idx * 2) // BLOCKSIZE
+    if NESTED:
+        q = tl.load(absmax_ptr + blk, mask=in_range, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q, mask=in_range, other=0.0)
+        scale = scale * tl.load(absmax2_ptr + blk // BLOCKSIZE2, mask=in_range, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=in_range, other=0.0).to(tl.float32)
+    w = cast_rne(val * scale[:, None], STATE_DTYPE)
+    if OUT_DTYPE != STATE_DTYPE:
+        w = cast_rne(w.to(tl.float32), OUT_DTYPE)
+    out_idx = byte_idx[:, None] * 2 + half[None, :]
+    tl.store(out_ptr + out_idx, w, mask=out_idx < n)
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(reference.NF4_CODE, dtype=torch.float32, device=device)
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and v > 0 and (v & (v - 1)) == 0
+
+
+def _check_state(packed: torch.Tensor, qs) -> int:
+    """Validate the duck-typed QuantState against ``packed``; returns n = prod(shape)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
+    for attr in ("absmax", "shape", "dtype", "blocksize"):
+        if not hasattr(qs, attr):
+            raise TypeError(f"quant_state has no {attr!r}: expected a bitsandbytes QuantState")
+    if getattr(qs, "quant_type", "nf4") != "nf4":
+        raise ValueError(f"quant_state.quant_type must be 'nf4', got {qs.quant_type!r}")
+    if qs.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quant_state.dtype must be float32, float16 or bfloat16, got {qs.dtype}")
+    if not _is_pow2(qs.blocksize) or qs.blocksize < 2:
+        raise ValueError(f"quant_state.blocksize must be a power of two >= 2, got {qs.blocksize}")
+    n = math.prod(qs.shape)
+    n_bytes = packed.numel() * packed.element_size()
+    if n_bytes < (n + 1) // 2:
+        raise ValueError(f"packed holds {n_bytes} bytes, quant_state.shape {tuple(qs.shape)} needs {(n + 1) // 2}")
+    n_blocks = -(-n // qs.blocksize)
+    if qs.absmax.numel() < n_blocks:
+        raise ValueError(f"quant_state.absmax has {qs.absmax.numel()} scales, {n_blocks} blocks need one each")
+    if getattr(qs, "nested", False):
+        s2 = getattr(qs, "state2", None)
+        if s2 is None or qs.absmax.dtype != torch.uint8:
+            raise ValueError("nested quant_state needs uint8 absmax codes and a state2")
+        if not _is_pow2(s2.blocksize):
+            raise ValueError(f"quant_state.state2.blocksize must be a power of two, got {s2.blocksize}")
+        if s2.code.numel() < 256 or s2.absmax.numel() < -(-n_blocks // s2.blocksize):
+            raise ValueError("quant_state.state2 has too few code entries or scales")
+    elif not qs.absmax.is_floating_point():
+        raise TypeError(f"quant_state.absmax must be floating point when not nested, got {qs.absmax.dtype}")
+    return n
+
+
+def _check_out(out: torch.Tensor, qs, packed: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(qs.shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, quant_state.shape is {tuple(qs.shape)}")
+    if out.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    check_same_device(packed=packed, out=out)
+
+
+def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
+    flat = packed.reshape(-1)  # a view for Params4bit data ([n/2, 1] or its .t())
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int) -> None:
+    device = packed.device
+    data = _as_bytes(packed)
+    n_bytes = (n + 1) // 2
+    nested = bool(getattr(qs, "nested", False))
+    absmax = qs.absmax.reshape(-1)
+    if nested:
+        s2 = qs.state2
+        code2 = s2.code.reshape(-1).to(device=device, dtype=torch.float32)
+        absmax2 = s2.absmax.reshape(-1).to(device=device, dtype=torch.float32)
+        offset = qs.offset
+        if isinstance(offset, torch.Tensor):
+            offset = offset.reshape(1).to(device=device, dtype=torch.float32)
+        else:
+            offset = torch.full((1,), float(offset), dtype=torch.float32, device=device)
+        blocksize2 = s2.blocksize
+    else:
+        code2 = absmax2 = offset = absmax  # unused pointers
+        blocksize2 = 1
+    grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
+    _nf4_dequant_kernel[grid](
+        data, _nf4_table(device), absmax, code2, absmax2, offset, out,
+        n, n_bytes,
+        BLOCKSIZE=qs.blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
+        STATE_DTYPE=_TL_DTYPE[qs.dtype], OUT_DTYPE=_TL_DTYPE[out.dtype], BYTES=_BYTES_PER_PROGRAM,
+        num_warps=4, enable_fp_fusion=False,  # bitsandbytes multiplies then adds: no FMA
+    )
+
+
+def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantise a bitsandbytes NF4 weight, bit-exact with ``bitsandbytes.functional.dequantize_4bit``.
+
+    Args:
+        packed: the packed codes (``Params4bit.data``: uint8 ``[n/2, 1]``, or another storage dtype).
+        quant_state: its ``QuantState`` (``absmax``, ``shape``, ``dtype``, ``blocksize``,
+            ``nested``, ``offset``, ``state2``); duck-typed.
+        out: optional contiguous buffer of shape ``quant_state.shape`` to write into, so callers
+            can reuse one buffer instead of keeping each full-precision weight. Its dtype may
+            differ from ``quant_state.dtype``: values are rounded to ``quant_state.dtype`` first.
+
+    Returns:
+        ``out``, or a new tensor of ``quant_state.shape`` and ``quant_state.dtype``.
+    """
+    n = _check_state(packed, quant_state)
+    check_same_device(packed=packed, absmax=quant_state.absmax)
+    if out is None:
+        out = torch.empty(tuple(quant_state.shape), dtype=quant_state.dtype, device=packed.device)
+    else:
+        _check_out(out, quant_state, packed)
+    if n == 0:
+        return out
+    if use_triton(packed, out):
+        _launch(packed, quant_state, out, n)
+        return out
+    out.copy_(reference.dequantize_nf4(packed, quant_state))
+    return out

@@ -1,0 +1,425 @@
+"""RMSNorm, and RMSNorm fused with the residual add before it, with hand-written backward.
+
+Forward, per row x of width H (for ``rms_norm_add`` x is s = x + residual, rounded to x's dtype):
+
+    r     = 1 / sqrt(mean(x²) + eps)                      fp32, saved per row
+    x̂     = x · r                                         fp32
+    llama: y = (offset + w) · round(x̂, x.dtype)           dtype promote(x, w)  (LlamaRMSNorm)
+    gemma: y = round(x̂ · (offset + w), x.dtype)           all fp32              (Gemma, OLMo2)
+
+Backward, dy the gradient of y, all in fp32:
+
+    g     = dy · (offset + w)                             gradient reaching x̂ (llama: the cast of
+                                                          x̂ to x.dtype passes the gradient through,
+                                                          as autograd does)
+    c     = mean(g · x̂)                                   one scalar per row
+    dx    = r · (g − x̂ · c)                               (+ ds, the gradient of s, for rms_norm_add)
+    dw    = Σ_rows dy · x̂'                                x̂' = round(x̂, x.dtype) for llama, x̂ for gemma
+
+The column sum dw is done without atomics: each program loops over its own slice of rows, keeps
+an fp32 partial sum in registers and writes one row of an fp32 [programs, H] buffer; a torch sum
+over that small buffer finishes it. ``rms_norm_add`` returns the same tensor as the gradient of x
+and of residual (both equal d s), as Liger does; autograd copies before accumulating into it.
+
+Saved for backward: the norm's input (x, or s) and r; nothing of size [rows, H] is kept beyond the
+input. A frozen weight (requires_grad False) skips the dw work entirely.
+
+Dtypes: x, residual and weight in float32, bfloat16 or float16 (x and residual alike). Any leading
+shape; rows are flattened, and a tensor whose rows are not a single stride apart (or whose last
+dim is strided) is copied to contiguous first. Rows wider than ``_MAX_FWD_BLOCK`` /
+``_MAX_BWD_BLOCK`` elements take a slower chunked path that reads the row twice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fasttune.kernels import reference
+from fasttune.kernels._backend import check_float, check_same_device, use_triton
+
+__all__ = ["rms_norm", "rms_norm_add", "RMSNormFunction", "RMSNormAddFunction"]
+
+_MAX_FWD_BLOCK = 16384  # widest row the forward keeps in registers; wider rows loop over chunks
+_MAX_BWD_BLOCK = 8192  # the backward keeps ~5 row-sized fp32 values per element: narrower limit
+_CHUNK = 4096  # chunk width of the looped paths
+_TILE = 4096  # elements per forward tile (narrow rows are stacked up to this)
+_BWD_TILE = 4096  # elements per backward step of one program
+_BWD_PROGRAMS_PER_SM = 2  # backward programs per SM: each writes one fp32 row of partial dw
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_norm_input(X, RES, S, rows, cols, mask, stride_x, stride_res, stride_s,
+                     HAS_RES: tl.constexpr, STORE_S: tl.constexpr):
+    """The norm's input tile in fp32: x, or s = round(x + residual) (stored when STORE_S)."""
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        s = (x + res.to(tl.float32)).to(S.dtype.element_ty)
+        if STORE_S:
+            tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, RES, W, Y, S, RSTD,
+    n_rows, n_cols, eps, offset,
+    stride_x, stride_res, stride_y, stride_s,
+    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr,
+    LLAMA: tl.constexpr, SINGLE_TILE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    if SINGLE_TILE:
+        col_mask = offs < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_norm_input(X, RES, S, rows, offs, mask, stride_x, stride_res, stride_s, HAS_RES, True)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
+        xhat = x * rstd[:, None]
+        if LLAMA:
+            xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+        y = xhat * w[None, :]
+        tl.store(Y + rows[:, None] * stride_y + offs[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Wide rows: pass 1 sums squares (and writes s), pass 2 recomputes s and writes y.
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK_H):
+            cols = c0 + offs
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = _load_norm_input(X, RES, S, rows, cols, mask, stride_x, stride_res, stride_s, HAS_RES, True)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        for c0 in range(0, n_cols, BLOCK_H):
+            cols = c0 + offs
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_norm_input(X, RES, S, rows, cols, mask, stride_x, stride_res, stride_s, HAS_RES, False)
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+            xhat = x * rstd[:, None]
+            if LLAMA:
+                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            y = xhat * w[None, :]
+            tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, DS, X, W, RSTD, DX, DW_PART,
+    n_rows, n_cols, offset,
+    stride_dy, stride_ds, stride_x, stride_dx,
+    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
+    COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+):
+    """Whole rows in registers; program p takes row blocks p, p + P, ... and writes DW_PART[p]."""
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_H)
+    col_mask = offs < n_cols
+    w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
+    for rb in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), n_progs):
+        rows = rb * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        xhat = x * rstd[:, None]
+        if COMPUTE_DX:
+            g = dy * w[None, :]
+            c = tl.sum(g * xhat, axis=1) / n_cols
+            dx = (g - xhat * c[:, None]) * rstd[:, None]
+            if HAS_DS:
+                dx += tl.load(DS + rows[:, None] * stride_ds + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows[:, None] * stride_dx + offs[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if LLAMA:
+                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            dw += dy * xhat
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid * n_cols + offs, tl.sum(dw, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_rowdot_kernel(DY, X, W, RSTD, C, n_cols, offset, stride_dy, stride_x,
+                                BLOCK_H: tl.constexpr):
+    """Wide rows, step 1: C[row] = mean(g · x̂) over the row, chunk by chunk."""
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(RSTD + row)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        acc += dy * w * x * rstd
+    tl.store(C + row, tl.sum(acc, axis=0) / n_cols)
+
+
+@triton.jit
+def _rms_norm_bwd_chunked_kernel(
+    DY, DS, X, W, RSTD, C, DX, DW_PART,
+    n_rows, n_cols, rows_per_prog, offset,
+    stride_dy, stride_ds, stride_x, stride_dx,
+    BLOCK_H: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
+    COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+):
+    """Wide rows, step 2: program (p, j) does column chunk j of rows [p·R, (p+1)·R)."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    for row in range(row_start, row_end):  # int64 bounds: int64 row index
+        rstd = tl.load(RSTD + row)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        xhat = x * rstd
+        if COMPUTE_DX:
+            dx = (dy * w - xhat * tl.load(C + row)) * rstd
+            if HAS_DS:
+                dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if LLAMA:
+                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            dw += dy * xhat
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid * n_cols + cols, dw, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """[..., H] as [rows, H] with unit column stride: a view when the layout allows, else a copy."""
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_warps(elements: int) -> int:
+    return max(1, min(16, elements // 512))
+
+
+def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: int) -> int:
+    """Enough programs to fill the GPU, few enough that the [programs, H] partials stay small."""
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return max(1, min(n_row_blocks, sms * programs_per_sm))
+    return max(1, min(n_row_blocks, 4))  # interpreter: a few programs, each looping over rows
+
+
+def _fwd(x, residual, weight, eps, offset, casting):
+    n_cols = x.shape[-1]
+    weight = weight.contiguous()
+    x2 = _as_rows(x, n_cols)
+    res2 = _as_rows(residual, n_cols) if residual is not None else None
+    n_rows = x2.shape[0]
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if residual is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        block_h = triton.next_power_of_2(n_cols)
+        single = block_h <= _MAX_FWD_BLOCK
+        if not single:
+            block_h = _CHUNK
+        block_rows = max(1, min(16, _TILE // block_h)) if single else 1
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x2, res2, weight, y, s, rstd,
+            n_rows, n_cols, eps, offset,
+            x2.stride(0), res2.stride(0) if res2 is not None else 0, y.stride(0),
+            s.stride(0) if s is not None else 0,
+            BLOCK_ROWS=block_rows, BLOCK_H=block_h, HAS_RES=residual is not None,
+            LLAMA=casting == "llama", SINGLE_TILE=single, num_warps=_num_warps(block_rows * block_h),
+        )
+    y = y.view(x.shape)
+    return y, (s.view(x.shape) if s is not None else None), rstd
+
+
+def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
+    """(dx, dw) of the norm whose input was x (s for rms_norm_add); ds adds to dx."""
+    n_cols = x.shape[-1]
+    if dy is None:  # the normed output was not used: only the pass-through gradient remains
+        dx = (ds if ds is not None else torch.zeros_like(x)) if need_dx else None
+        return dx, (torch.zeros_like(weight) if need_dw else None)
+    x2, dy2, weight = _as_rows(x, n_cols), _as_rows(dy, n_cols), weight.contiguous()
+    ds2 = _as_rows(ds, n_cols) if ds is not None else None
+    n_rows = x2.shape[0]
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if need_dx else None
+    llama = casting == "llama"
+    block_h = triton.next_power_of_2(n_cols)
+    if block_h <= _MAX_BWD_BLOCK:
+        # Rows stacked up to ~_BWD_TILE elements a step; a few resident programs per SM keep
+        # enough loads in flight, and the fp32 partials stay small (2·SMs·H·4 B = 4 MiB at H=4096).
+        block_rows = max(1, min(16, _BWD_TILE // block_h))
+        grid = _bwd_programs(x.device, triton.cdiv(n_rows, block_rows), _BWD_PROGRAMS_PER_SM) if n_rows else 0
+        part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device) if need_dw else None
+        if n_rows:
+            _rms_norm_bwd_kernel[(grid,)](
+                dy2, ds2, x2, weight, rstd, dx, part,
+                n_rows, n_cols, offset,
+                dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0), n_cols,
+                BLOCK_ROWS=block_rows, BLOCK_H=block_h, HAS_DS=ds is not None, LLAMA=llama,
+                COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, num_warps=_num_warps(block_rows * block_h),
+            )
+    else:
+        block_h = _CHUNK
+        grid = _bwd_programs(x.device, n_rows, _BWD_PROGRAMS_PER_SM) if n_rows else 0
+        rows_per_prog = triton.cdiv(n_rows, grid) if grid else 0
+        grid = triton.cdiv(n_rows, rows_per_prog) if grid else 0
+        part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device) if need_dw else None
+        if n_rows:
+            c = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+            if need_dx:
+                _rms_norm_bwd_rowdot_kernel[(n_rows,)](
+                    dy2, x2, weight, rstd, c, n_cols, offset, dy2.stride(0), x2.stride(0),
+                    BLOCK_H=block_h, num_warps=8,
+                )
+            _rms_norm_bwd_chunked_kernel[(grid, triton.cdiv(n_cols, block_h))](
+                dy2, ds2, x2, weight, rstd, c, dx, part,
+                n_rows, n_cols, rows_per_prog, offset,
+                dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0), n_cols,
+                BLOCK_H=block_h, HAS_DS=ds is not None, LLAMA=llama,
+                COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, num_warps=8,
+            )
+    dw = part.sum(dim=0).to(weight.dtype) if need_dw else None
+    return (dx.view(x.shape) if need_dx else None), dw
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = rms_norm(x, weight); saves x and r, returns dx and dw."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):
+        y, _, rstd = _fwd(x, None, weight, eps, offset, casting)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset, ctx.casting = offset, casting
+        ctx.set_materialize_grads(False)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _bwd(dy, None, x, weight, rstd, ctx.offset, ctx.casting, need_dx, need_dw)
+        return dx, dw, None, None, None
+
+
+class RMSNormAddFunction(torch.autograd.Function):
+    """(y, s) = (rms_norm(x + residual), x + residual); saves s and r."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting):
+        y, s, rstd = _fwd(x, residual, weight, eps, offset, casting)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.offset, ctx.casting = offset, casting
+        ctx.set_materialize_grads(False)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, weight, rstd = ctx.saved_tensors
+        need_ds = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dsum, dw = _bwd(dy, ds, s, weight, rstd, ctx.offset, ctx.casting, need_ds, ctx.needs_input_grad[2])
+        dx = dsum if ctx.needs_input_grad[0] else None
+        dres = dsum if ctx.needs_input_grad[1] else None
+        return dx, dres, dw, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# public
+# --------------------------------------------------------------------------------------------
+
+
+def _check(x, weight, eps, casting, residual=None):
+    if casting not in ("llama", "gemma"):
+        raise ValueError(f"casting must be 'llama' or 'gemma', got {casting!r}")
+    check_float("x", x)
+    check_float("weight", weight)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [{x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
+    if residual is not None:
+        check_float("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual dtype {residual.dtype} must equal x dtype {x.dtype}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    check_same_device(x=x, weight=weight, residual=residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
+             casting: str = "llama") -> torch.Tensor:
+    """RMSNorm over the last dimension, the same function as ``reference.rms_norm``.
+
+    Args:
+        x: [..., H] activations (float32, bfloat16 or float16).
+        weight: [H] scale; its gradient is computed when it requires grad.
+        eps: added to mean(x²) before the inverse square root.
+        offset: added to the weight (1.0 for Gemma's ``1 + w``).
+        casting: "llama" (round x̂ to x's dtype, then scale; output promote(x, w)) or "gemma"
+            (scale in fp32, round once to x's dtype).
+
+    Returns:
+        The normalised tensor, shape of x.
+    """
+    _check(x, weight, eps, casting)
+    if not use_triton(x, weight):
+        return reference.rms_norm(x, weight, eps, offset=offset, casting=casting)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)
+
+
+def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 offset: float = 0.0, casting: str = "llama"):
+    """The residual add fused with the norm after it: ``(rms_norm(x + residual), x + residual)``.
+
+    One pass reads x and residual and writes both the sum and its norm; the backward adds the
+    sum's own gradient to the norm's and returns it for both x and residual.
+
+    Args:
+        x, residual: [..., H], same shape and dtype.
+        weight, eps, offset, casting: as in ``rms_norm``.
+
+    Returns:
+        (normed, x + residual).
+    """
+    _check(x, weight, eps, casting, residual)
+    if not use_triton(x, residual, weight):
+        return reference.rms_norm_add(x, residual, weight, eps, offset=offset, casting=casting)
+    return RMSNormAddFunction.apply(x, residual, weight, float(eps), float(offset), casting)

@@ -1,0 +1,264 @@
+"""Self-attention modules with Q/K rotated by the Triton RoPE kernel, and the fused-LoRA hook points.
+
+One forward for all ten families, driven by the family's row: the projections (separate
+q/k/v or Phi-3's fused ``qkv_proj``), the optional q/k norm ("head": over each head, Qwen3 /
+Gemma 3; "full": over the whole projection, OLMo2), RoPE, the KV-cache update, the attention
+function transformers selects for ``config._attn_implementation`` (eager: the family's own
+``eager_attention_forward``, so Gemma 2's soft-cap stays), and the output projection. The
+extra keyword arguments a family passes to the attention function (sliding window, soft-cap)
+come from ``FamilySpec.attention_kwargs``.
+
+Hooks for fused LoRA (replace the attributes of an installed forward):
+    ``project_qkv(module, hidden_states) -> (q, k, v)``, each [..., heads*head_dim];
+    ``project_o(module, attn_output) -> Tensor``. The defaults call the module's own projection
+    submodules, so PEFT LoRA and bitsandbytes layers keep working.
+
+Works with transformers 5.17 (``past_key_values``, ``cache.update(k, v, layer_idx)``) and 5.24
+(``cache``, ``cache.update(k, v, layer_idx, kwargs=kwargs)``): the variant is read off the stock
+forward's signature at patch time, and both keyword names are accepted at call time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import numbers
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import FastConfig
+from .families import FamilySpec
+from .instance import PatchedForward, stock_forward, swap_forward
+from .report import PatchReport
+
+OP_ROPE = "rope"
+OP_HOOK = "attention_hook"  # installed for the LoRA hooks only (config.rope off)
+ATTENTION_ATTR = "self_attn"  # the decoder layer's attention child, in every family of the table
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_COMMON_ATTRS = ("config", "head_dim", "scaling", "num_key_value_groups", "is_causal", "layer_idx",
+                 "attention_dropout")
+_LAYOUT_SUBMODULES = {"separate": ("q_proj", "k_proj", "v_proj", "o_proj"), "fused": ("qkv_proj", "o_proj")}
+
+
+def project_qkv_separate(module: nn.Module, hidden_states: torch.Tensor):
+    """Default ``project_qkv`` for q_proj/k_proj/v_proj layouts (called in the stock order)."""
+    return module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+
+
+def project_qkv_fused(module: nn.Module, hidden_states: torch.Tensor):
+    """Default ``project_qkv`` for Phi-3's qkv_proj: [q | k | v] along the last dimension."""
+    qkv = module.qkv_proj(hidden_states)
+    q_size = module.config.num_attention_heads * module.head_dim
+    kv_size = module.num_key_value_heads * module.head_dim
+    return qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+
+
+def project_o(module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor:
+    """Default ``project_o``: the module's own o_proj."""
+    return module.o_proj(attn_output)
+
+
+def attention_interface(functions, implementation: str | None, eager: Callable) -> Callable:
+    """The attention function for ``implementation``, as the stock forward picks it.
+
+    transformers ≥ 5 has ``ALL_ATTENTION_FUNCTIONS.get_interface(name, default)``; older ones
+    index the registry, with the module's eager function for "eager".
+    """
+    get_interface = getattr(functions, "get_interface", None)
+    if get_interface is not None:
+        return get_interface(implementation, eager)
+    if implementation in (None, "eager"):
+        return eager
+    return functions[implementation]
+
+
+class FastAttentionForward(PatchedForward):
+    """Replacement ``forward`` of one attention instance (see the module docstring).
+
+    Attributes:
+        project_qkv: ``(module, hidden_states) -> (q, k, v)``; fused LoRA replaces it.
+        project_o: ``(module, attn_output) -> output``; fused LoRA replaces it.
+        use_rope_kernel: rotate with ``fasttune.kernels.apply_rope`` (else the family's own
+            ``apply_rotary_pos_emb``).
+    """
+
+    op = OP_ROPE
+
+    def __init__(self, module: nn.Module, stock, spec: FamilySpec, *, eager: Callable, stock_rope: Callable | None,
+                 functions, cache_kwargs: bool, use_rope_kernel: bool):
+        super().__init__(module, stock)
+        self.project_qkv: Callable = project_qkv_fused if spec.qkv_layout == "fused" else project_qkv_separate
+        self.project_o: Callable = project_o
+        self.use_rope_kernel = use_rope_kernel
+        self.qk_norm = spec.qk_norm
+        self.attention_kwargs = tuple(spec.attention_kwargs)
+        self.eager = eager
+        self.stock_rope = stock_rope
+        self.functions = functions
+        self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
+
+    def _rope(self, q, k, cos, sin):
+        if self.use_rope_kernel and _rope_fits(q, k, cos, sin):
+            from ..kernels.rope import apply_rope
+
+            return apply_rope(q, k, cos, sin)
+        if self.stock_rope is None:  # patched with the kernel but this call does not fit it
+            from ..kernels.reference import apply_rope as reference_rope
+
+            return reference_rope(q, k, cos, sin)
+        return self.stock_rope(q, k, cos, sin)
+
+    def _extra_kwargs(self, module):
+        extra = {}
+        for name, source in self.attention_kwargs:
+            where, attr = source.split(":", 1)
+            extra[name] = getattr(module if where == "module" else module.config, attr, None)
+        return extra
+
+    def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *,
+                 past_key_values=None, **kwargs):
+        m = self.module
+        if cache is None:
+            cache = past_key_values
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, m.head_dim)
+
+        q, k, v = self.project_qkv(m, hidden_states)
+        if self.qk_norm == "full":  # OLMo2: over the whole projection, before the head split
+            q, k = m.q_norm(q), m.k_norm(k)
+        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+        if self.qk_norm == "head":  # Qwen3 / Gemma 3: over each head (same math before the transpose)
+            q, k = m.q_norm(q), m.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+        cos, sin = position_embeddings
+        q, k = self._rope(q, k, cos, sin)
+
+        if cache is not None:
+            if self.cache_kwargs:
+                k, v = cache.update(k, v, m.layer_idx, kwargs=kwargs)
+            else:
+                k, v = cache.update(k, v, m.layer_idx)
+
+        interface = attention_interface(self.functions, m.config._attn_implementation, self.eager)
+        attn_output, attn_weights = interface(
+            m, q, k, v, attention_mask,
+            dropout=m.attention_dropout if m.training else 0.0,
+            scaling=m.scaling,
+            **self._extra_kwargs(m),
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.project_o(m, attn_output), attn_weights
+
+
+def _rope_fits(q, k, cos, sin) -> bool:
+    """The kernel's domain: float16/bfloat16/float32 heads, rotary width even and ≤ head_dim."""
+    dr = cos.shape[-1]
+    return (q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and cos.dtype in KERNEL_DTYPES
+            and sin.dtype == cos.dtype and dr % 2 == 0 and 0 < dr <= q.shape[-1] and q.numel() > 0)
+
+
+def float_dtype(module: nn.Module) -> torch.dtype | None:
+    """dtype of the module's first floating-point parameter (packed 4-bit weights are skipped)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+def check_attention(module: nn.Module, spec: FamilySpec, use_rope_kernel: bool = True) -> str | None:
+    """Why ``module`` cannot take the replacement forward, or None when it can."""
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return "forward has no inspectable signature"
+    missing = [p for p in ("hidden_states", "position_embeddings", "attention_mask") if p not in params]
+    if missing:
+        return f"forward takes no {', '.join(missing)} in this transformers version"
+    if "cache" not in params and "past_key_values" not in params:
+        return "forward takes neither `cache` nor `past_key_values` in this transformers version"
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return "forward takes no **kwargs in this transformers version"
+    if "cache_position" in params:
+        return "forward takes an explicit `cache_position` (a cache API this forward does not reproduce)"
+    for attr in _COMMON_ATTRS + _LAYOUT_SUBMODULES[spec.qkv_layout]:
+        if not hasattr(module, attr):
+            return f"no `{attr}` attribute in this transformers version"
+    if not isinstance(module.head_dim, int) or not isinstance(module.scaling, numbers.Real):
+        return "head_dim/scaling are not numbers"
+    if not hasattr(module.config, "_attn_implementation"):
+        return "config has no `_attn_implementation`"
+    if spec.qkv_layout == "fused" and not (hasattr(module, "num_key_value_heads")
+                                           and hasattr(module.config, "num_attention_heads")):
+        return "fused qkv_proj without num_key_value_heads / config.num_attention_heads"
+    if spec.qk_norm is not None and not (hasattr(module, "q_norm") and hasattr(module, "k_norm")):
+        return f"the family row expects q_norm/k_norm ({spec.qk_norm}) and the module has none"
+    for name, source in spec.attention_kwargs:
+        where, attr = source.split(":", 1)
+        if where == "module" and not hasattr(module, attr):
+            return f"no `{attr}` attribute (passed to the attention function as `{name}`)"
+    dtype = float_dtype(module)
+    if use_rope_kernel and dtype is not None and dtype not in KERNEL_DTYPES:
+        return f"parameters are {str(dtype).replace('torch.', '')}; the kernels take float32/float16/bfloat16"
+    return None
+
+
+def _family_functions(spec: FamilySpec):
+    """(eager_attention_forward, apply_rotary_pos_emb, ALL_ATTENTION_FUNCTIONS) of the family."""
+    try:
+        mod = importlib.import_module(spec.modeling_module)
+    except ImportError:
+        return None, None, None
+    functions = getattr(mod, "ALL_ATTENTION_FUNCTIONS", None)
+    if functions is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
+    return getattr(mod, "eager_attention_forward", None), getattr(mod, "apply_rotary_pos_emb", None), functions
+
+
+def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig,
+                    report: PatchReport) -> None:
+    """Install ``FastAttentionForward`` on every attention module of the family's class.
+
+    Installed when ``config.rope`` (the RoPE kernel) or ``config.lora`` (the fused-LoRA hooks)
+    is on; reported as "rope" per module with the kernel, "attention_hook" without it.
+    """
+    if not (config.rope or config.lora):
+        return
+    op = OP_ROPE if config.rope else OP_HOOK
+    attn_cls = classes.get("attention_class")
+    eager, stock_rope, functions = _family_functions(spec)
+    if attn_cls is None:
+        report.fallback(op, spec.model_type, f"{spec.attention_class} not found in {spec.modeling_module}")
+        return
+    if eager is None or (stock_rope is None and not config.rope):
+        report.fallback(op, spec.model_type, f"{spec.modeling_module} has no eager_attention_forward / "
+                        "apply_rotary_pos_emb in this transformers version")
+        return
+    layer_cls = classes.get("decoder_layer_class")
+    for name, module in base.named_modules():
+        if layer_cls is not None and type(module) is layer_cls:
+            child = getattr(module, ATTENTION_ATTR, None)
+            if child is not None and type(child) is not attn_cls:
+                report.fallback(op, f"{name}.{ATTENTION_ATTR}", f"is {type(child).__name__}, not {spec.attention_class}")
+        if type(module) is not attn_cls:
+            continue
+        reason = check_attention(module, spec, use_rope_kernel=config.rope)
+        if reason is not None:
+            report.fallback(op, name, reason)
+            continue
+        stock = stock_forward(module)
+        cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
+        fwd = FastAttentionForward(module, stock, spec, eager=eager, stock_rope=stock_rope, functions=functions,
+                                   cache_kwargs=cache_kwargs, use_rope_kernel=config.rope)
+        swap_forward(module, fwd, report)
+        report.add(op)
+
+
+def attention_forward(module: nn.Module) -> FastAttentionForward | None:
+    """The installed ``FastAttentionForward`` of an attention module, if any (for the LoRA patcher)."""
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, FastAttentionForward) else None
+
+
+__all__ = ["FastAttentionForward", "attention_forward", "attention_interface", "check_attention", "float_dtype",
+           "patch_attention", "project_o", "project_qkv_fused", "project_qkv_separate"]

@@ -1,0 +1,97 @@
+"""Read a projection module as the ``(base, lora_a, lora_b, scaling)`` spec the fused-LoRA kernels take.
+
+``lora_spec(module)`` duck-types PEFT's ``peft.tuners.lora.Linear`` (and its bitsandbytes
+``Linear4bit`` variant), a plain ``nn.Linear`` and a bare bitsandbytes ``Linear4bit`` (no adapter
+targeted on that projection). It returns a reason string instead whenever the fused Functions
+would not compute what the module's own forward computes: dropout, DoRA or another LoRA
+variant, several active adapters, merged or disabled adapters, a LoRA bias, fan-in-fan-out
+weights, a trainable base weight, a base layer other than a linear or an NF4 ``Linear4bit``.
+Call it at each forward: it reads the module's current state (set_adapter, merge, disable).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from ..kernels.lora import BaseWeight
+
+__all__ = ["lora_spec"]
+
+
+def _base_weight(layer: nn.Module) -> BaseWeight | str:
+    """The frozen weight (and bias) of a plain linear or bitsandbytes NF4 layer."""
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return f"base layer {type(layer).__name__} has no weight tensor"
+    bias = getattr(layer, "bias", None)
+    if bias is not None and bias.requires_grad:
+        return "base layer bias is trainable"
+    if weight.requires_grad:
+        return "base layer weight is trainable"
+    if type(layer).__name__ == "Linear8bitLt" or hasattr(weight, "SCB"):
+        return "8-bit bitsandbytes base layer"
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is None:  # FSDP may strip it off the parameter; bitsandbytes keeps a copy on the layer
+        quant_state = getattr(layer, "quant_state", None)
+    if type(layer).__name__ == "Linear4bit" or quant_state is not None:
+        if quant_state is None:
+            return "bitsandbytes Linear4bit weight is not quantized yet (move the model to its device first)"
+        if getattr(quant_state, "quant_type", None) != "nf4":
+            return f"4-bit quant_type {getattr(quant_state, 'quant_type', None)!r}, only nf4 is fused"
+        return BaseWeight(weight.data, quant_state, None if bias is None else bias.detach())
+    if not isinstance(layer, nn.Linear) or weight.dim() != 2 or not weight.is_floating_point():
+        return f"base layer {type(layer).__name__} is not a linear layer"
+    return BaseWeight(weight, None, bias)
+
+
+def _active_adapter(module: nn.Module) -> str | None:
+    active = getattr(module, "active_adapters", None)
+    if active is None:
+        active = getattr(module, "active_adapter", None)
+    if isinstance(active, str):
+        active = [active]
+    active = [a for a in (active or []) if a in module.lora_A]
+    return active[0] if len(active) == 1 else (None if not active else "")
+
+
+def lora_spec(module: nn.Module):
+    """``(BaseWeight, lora_a, lora_b, scaling)`` for ``module``, or a string saying why not.
+
+    A module with no active adapter here gives ``(BaseWeight, None, None, 0.0)`` (the kernels
+    then run the base projection only). ``lora_a``/``lora_b`` are the adapter's parameters
+    themselves, so their gradients land where PEFT's would.
+    """
+    if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
+        base = _base_weight(module)
+        return base if isinstance(base, str) else (base, None, None, 0.0)
+    if getattr(module, "merged", False):
+        return "LoRA adapter merged into the base weight"
+    if getattr(module, "disable_adapters", False):
+        return "LoRA adapters disabled"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out (Conv1D-style) weights"
+    base = _base_weight(module.get_base_layer() if hasattr(module, "get_base_layer") else module.base_layer)
+    if isinstance(base, str):
+        return base
+    adapter = _active_adapter(module)
+    if adapter == "":
+        return "several active LoRA adapters"
+    if adapter is None:
+        return base, None, None, 0.0
+    if adapter in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(adapter, False):
+        return "LoRA variant (DoRA, aLoRA, ...) is not fused"
+    dropout = module.lora_dropout[adapter]
+    if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)):
+        return "lora_dropout > 0"
+    lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+    if not (isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)):
+        return "LoRA A/B are not linear layers"
+    if lora_b.bias is not None or lora_a.bias is not None:
+        return "LoRA bias (lora_bias=True)"
+    scaling = module.scaling[adapter]
+    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+        return f"scaling of type {type(scaling).__name__}"
+    return base, lora_a.weight, lora_b.weight, float(scaling)

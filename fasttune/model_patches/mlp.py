@@ -1,0 +1,181 @@
+"""Gated MLPs with the SwiGLU/GeGLU activation on the Triton kernel, and the fused-LoRA hook point.
+
+``down(act(gate(x)) * up(x))`` with the gate/up projections separate or fused (Phi-3's
+``gate_up_proj``: gate is the first half). The activation is read off the config attributes the
+family's row names (``FamilySpec.activation_attrs``) through ``families.ACTIVATIONS``, and checked
+against the module's own activation function on a probe, so a module computing something else
+than its config says stays stock instead of silently changing numbers.
+
+Hook for fused LoRA: ``fused_mlp(module, x) -> Tensor`` on an installed forward replaces the
+whole computation; None (the default) runs the path above through the module's own projection
+submodules (so PEFT LoRA and bitsandbytes layers keep working).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import FastConfig
+from .attention import float_dtype
+from .families import ACTIVATIONS, FamilySpec
+from .instance import PatchedForward, stock_forward, swap_forward
+from .report import PatchReport
+
+OP = "mlp"
+OP_HOOK = "mlp_hook"  # installed for the LoRA hook only (config.mlp off)
+MLP_ATTR = "mlp"  # the decoder layer's MLP child, in every family of the table
+ACT_ATTRS = ("act_fn", "activation_fn")  # where the stock MLPs keep their activation module
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LAYOUT_SUBMODULES = {"separate": ("gate_proj", "up_proj", "down_proj"), "fused": ("gate_up_proj", "down_proj")}
+# The function each kernel activation computes, for the probe.
+_KERNEL_MATH = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": lambda x: F.gelu(x, approximate="none"),
+}
+
+
+class FastMLPForward(PatchedForward):
+    """Replacement ``forward`` of one gated-MLP instance.
+
+    Attributes:
+        fused_mlp: ``(module, x) -> Tensor`` replacing the whole MLP (fused LoRA), or None.
+        activation: the kernel activation ("silu", "gelu_tanh", "gelu"), or None to apply the
+            module's own activation function (installed for the hook only).
+    """
+
+    op = OP
+
+    def __init__(self, module: nn.Module, stock, layout: str, activation: str | None, act_attr: str):
+        super().__init__(module, stock)
+        self.fused_mlp: Callable | None = None
+        self.layout = layout
+        self.activation = activation
+        self.act_attr = act_attr
+
+    def _gate_up(self, x):
+        m = self.module
+        if self.layout == "fused":
+            return m.gate_up_proj(x).chunk(2, dim=-1)
+        return m.gate_proj(x), m.up_proj(x)
+
+    def _act(self, gate, up):
+        if (self.activation is not None and gate.dtype in KERNEL_DTYPES and up.dtype == gate.dtype
+                and gate.shape == up.shape and gate.numel() > 0):
+            from ..kernels.swiglu import geglu, swiglu
+
+            gate, up = gate.contiguous(), up.contiguous()  # no-ops except for Phi-3's halves
+            if self.activation == "silu":
+                return swiglu(gate, up)
+            return geglu(gate, up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return getattr(self.module, self.act_attr)(gate) * up
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs:
+            x = args[0]
+        elif not args and len(kwargs) == 1:
+            x = next(iter(kwargs.values()))
+        else:
+            return self.stock(*args, **kwargs)
+        if self.fused_mlp is not None:
+            return self.fused_mlp(self.module, x)
+        gate, up = self._gate_up(x)
+        return self.module.down_proj(self._act(gate, up))
+
+
+def config_activation(config, spec: FamilySpec) -> str | None:
+    """The activation name the family's config gives (first non-None of ``spec.activation_attrs``)."""
+    for attr in spec.activation_attrs:
+        value = getattr(config, attr, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _probe(act_fn, kind: str) -> bool:
+    """True when ``act_fn`` computes the kernel activation ``kind`` (fp32, on [-8, 8])."""
+    x = torch.linspace(-8.0, 8.0, 257, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            got = act_fn(x)
+    except Exception:  # noqa: BLE001 - any failure means "not the function we know"
+        return False
+    return isinstance(got, torch.Tensor) and got.shape == x.shape and torch.allclose(
+        got.float(), _KERNEL_MATH[kind](x), rtol=1e-5, atol=1e-6)
+
+
+def check_mlp(module: nn.Module, spec: FamilySpec, activation: str | None, use_kernel: bool):
+    """(reason it cannot be patched or None, the activation attribute of the module)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return "forward has no inspectable signature", None
+    if len(params) != 1:
+        return "forward takes other arguments than the input tensor in this transformers version", None
+    for attr in _LAYOUT_SUBMODULES[spec.mlp_layout]:
+        if not isinstance(getattr(module, attr, None), nn.Module):
+            return f"no `{attr}` submodule in this transformers version", None
+    act_attr = next((a for a in ACT_ATTRS if callable(getattr(module, a, None))), None)
+    if act_attr is None:
+        return f"no activation attribute ({' / '.join(ACT_ATTRS)})", None
+    if use_kernel:
+        dtype = float_dtype(module)
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            return f"parameters are {str(dtype).replace('torch.', '')}; the kernels take float32/float16/bfloat16", act_attr
+        if activation is None:
+            return f"no activation in config.{' / config.'.join(spec.activation_attrs)}", act_attr
+        kind = ACTIVATIONS.get(activation)
+        if kind is None:
+            return (f"activation {activation!r} has no kernel; supported: {', '.join(sorted(ACTIVATIONS))}",
+                    act_attr)
+        if not _probe(getattr(module, act_attr), kind):
+            return (f"the module's {type(getattr(module, act_attr)).__name__} does not compute {activation!r} "
+                    "(config and module disagree)", act_attr)
+    return None, act_attr
+
+
+def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
+    """Install ``FastMLPForward`` on every MLP of the family's class.
+
+    Installed when ``config.mlp`` (the activation kernel) or ``config.lora`` (the fused-LoRA hook)
+    is on; reported as "mlp" per module with the kernel, "mlp_hook" without it.
+    """
+    if not (config.mlp or config.lora):
+        return
+    op = OP if config.mlp else OP_HOOK
+    mlp_cls = classes.get("mlp_class")
+    if mlp_cls is None:
+        report.fallback(op, spec.model_type, f"{spec.mlp_class} not found in {spec.modeling_module}")
+        return
+    layer_cls = classes.get("decoder_layer_class")
+    for name, module in base.named_modules():
+        if layer_cls is not None and type(module) is layer_cls:
+            child = getattr(module, MLP_ATTR, None)
+            if child is not None and type(child) is not mlp_cls:
+                report.fallback(op, f"{name}.{MLP_ATTR}", f"is {type(child).__name__}, not {spec.mlp_class}")
+        if type(module) is not mlp_cls:
+            continue
+        # The module's own config is what its activation was built from.
+        activation = config_activation(getattr(module, "config", None) or base.config, spec)
+        reason, act_attr = check_mlp(module, spec, activation, use_kernel=config.mlp)
+        if reason is not None:
+            report.fallback(op, name, reason)
+            continue
+        kind = ACTIVATIONS[activation] if config.mlp else None
+        fwd = FastMLPForward(module, stock_forward(module), spec.mlp_layout, kind, act_attr)
+        swap_forward(module, fwd, report)
+        report.add(op)
+
+
+def mlp_forward(module: nn.Module) -> FastMLPForward | None:
+    """The installed ``FastMLPForward`` of an MLP module, if any (for the LoRA patcher)."""
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, FastMLPForward) else None
+
+
+__all__ = ["FastMLPForward", "check_mlp", "config_activation", "mlp_forward", "patch_mlp"]

@@ -1,0 +1,107 @@
+"""RMSNorm modules on the Triton kernel.
+
+Every module of exactly the family's norm class (decoder-layer norms, the final norm, and the
+q/k norms of Qwen3, Gemma 3 and OLMo2) gets a ``FastRMSNormForward`` computing
+``rms_norm(x, weight, eps, offset=spec.norm_offset, casting=spec.norm_casting)``: the same
+function as the stock forward (``kernels/reference.py`` documents both castings). Modules that do
+not look like the row expects (no 1-D weight, no epsilon attribute, a forward taking other
+arguments) stay stock and are reported, as are norm-named children of another class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+
+import torch
+from torch import nn
+
+from ..config import FastConfig
+from .families import FamilySpec
+from .instance import PatchedForward, stock_forward, swap_forward
+from .report import PatchReport
+
+OP = "rms_norm"
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class FastRMSNormForward(PatchedForward):
+    """Replacement ``forward`` of one RMSNorm instance.
+
+    Attributes:
+        eps_attr: the module attribute holding epsilon (read at each call, like the stock forward).
+        offset: 1.0 where the norm scales by (1 + weight) (Gemma), else 0.0.
+        casting: "llama" or "gemma" (see ``kernels.reference.rms_norm``).
+    """
+
+    op = OP
+
+    def __init__(self, module: nn.Module, stock, eps_attr: str, offset: float, casting: str):
+        super().__init__(module, stock)
+        self.eps_attr = eps_attr
+        self.offset = offset
+        self.casting = casting
+
+    def __call__(self, *args, **kwargs):
+        # The stock forwards take one tensor (named hidden_states or x); anything else is theirs.
+        if len(args) == 1 and not kwargs:
+            x = args[0]
+        elif not args and len(kwargs) == 1:
+            x = next(iter(kwargs.values()))
+        else:
+            return self.stock(*args, **kwargs)
+        weight = self.module.weight
+        if (not isinstance(x, torch.Tensor) or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES
+                or x.shape[-1] != weight.shape[0] or x.numel() == 0):
+            return self.stock(*args, **kwargs)  # float64, odd shapes: the stock math, unchanged
+        from ..kernels.rms_norm import rms_norm  # the submodule: `kernels.rms_norm` is also a module name
+
+        eps = getattr(self.module, self.eps_attr)
+        return rms_norm(x, weight, eps, offset=self.offset, casting=self.casting)
+
+
+def check_norm(module: nn.Module, spec: FamilySpec) -> str | None:
+    """Why ``module`` cannot take the kernel, or None when it can."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return "no 1-D `weight` (the kernel scales by a per-feature weight)"
+    if weight.dtype not in KERNEL_DTYPES:
+        return f"weight is {str(weight.dtype).replace('torch.', '')}; the kernel takes float32/float16/bfloat16"
+    eps = getattr(module, spec.norm_eps_attr, None)
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or eps < 0:
+        return f"no numeric epsilon attribute `{spec.norm_eps_attr}`"
+    try:
+        params = [p for p in inspect.signature(type(module).forward).parameters.values()][1:]
+    except (TypeError, ValueError):
+        return "forward has no inspectable signature"
+    if len(params) != 1 or params[0].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.POSITIONAL_ONLY):
+        return "forward takes other arguments than the input tensor in this transformers version"
+    return None
+
+
+def patch_norms(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
+    """Install ``FastRMSNormForward`` on every norm of the family's class; report the others."""
+    if not config.rms_norm:
+        return
+    norm_cls = classes.get("norm_class")
+    if norm_cls is None:
+        report.fallback(OP, spec.model_type, f"{spec.norm_class} not found in {spec.modeling_module}")
+        return
+    for name, module in base.named_modules():
+        if type(module) is not norm_cls:
+            # A norm-named leaf of another class: a user's or another library's replacement.
+            if name.rsplit(".", 1)[-1].endswith("norm") and next(module.children(), None) is None:
+                report.fallback(OP, name, f"is {type(module).__name__}, not {spec.norm_class}")
+            continue
+        reason = check_norm(module, spec)
+        if reason is not None:
+            report.fallback(OP, name, reason)
+            continue
+        fwd = FastRMSNormForward(module, stock_forward(module), spec.norm_eps_attr, float(spec.norm_offset),
+                                 spec.norm_casting)
+        swap_forward(module, fwd, report)
+        report.add(OP)
+
+
+__all__ = ["FastRMSNormForward", "check_norm", "patch_norms"]

@@ -1,0 +1,343 @@
+"""OffloadedCheckpointer: decoder-layer inputs kept in (pinned) host memory between forward and backward.
+
+Used by ``checkpointing.py`` for ``FastConfig.checkpointing="offload"`` (and the offloaded part of
+"auto"). Activation checkpointing of a decoder layer keeps only the layer's input, the
+``hidden_states`` tensor [batch, seq, hidden], and recomputes the rest in backward. This module
+moves that one tensor off the GPU:
+
+- ``pack(t)`` (forward): copy ``t`` into a pooled host buffer on a side CUDA stream
+  (``non_blocking``, the side stream first waits for the compute stream; an event marks the end of
+  the copy; ``t.record_stream(side)`` so the caching allocator does not hand ``t``'s memory to
+  someone else before the copy has read it). The compute stream never waits.
+- ``unpack(p)`` (backward, when the checkpointed layer i starts recomputing): hand back the GPU
+  copy (the compute stream waits on the copy's event), then start bringing back the input of the
+  layer packed before it (layer i-1) on the side stream, so that copy overlaps layer i's recompute
+  and backward.
+- The most recently packed tensor also keeps its GPU original until the next ``pack``: the first
+  layer the backward reaches (the last one packed) then needs no copy at all.
+- Host buffers come from a pool keyed by (device, byte size): reused across steps, pinned once.
+  A buffer goes back to the pool when its ``OffloadedTensor`` is freed (autograd frees saved
+  tensors after backward). Every copy touching a pooled buffer runs on the same side stream of its
+  device, so stream order alone makes reuse safe. The pool never holds more than the largest
+  working set seen (free buffers of other sizes are dropped first), so changing shapes do not grow
+  pinned memory without bound. (Dropped pinned blocks go back to torch's host caching allocator.)
+
+Without CUDA the same code runs without streams: ``pack`` copies into a pooled (unpinned) CPU
+buffer, ``unpack`` returns a clone of it (the stand-in for the host-to-device copy), so CPU CI
+exercises pool, prefetch chain and bookkeeping. Copies are exact, so gradients are bitwise those
+of plain recompute.
+
+Which tensors go through ``pack``: ``offloading(hidden_states)`` is a ``saved_tensors_hooks``
+context put around ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Inside the
+checkpointed function the checkpoint's own hooks take over, so the only tensors our hooks see are
+the checkpoint's saved inputs; of those only ``hidden_states`` is offloaded, small inputs
+(cos/sin, masks, position ids) are kept as they are.
+
+State lives in the checkpointer object (one per patched model); nothing is global.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OffloadStats:
+    """Counters, for tests and benchmarks.
+
+    Attributes:
+        packed: tensors offloaded.
+        fetched: host-to-device copies issued (prefetches included).
+        prefetched: copies issued ahead of need (for the layer below the one recomputing).
+        prefetch_hits: unpacks that found their tensor already fetched ahead.
+        kept_on_device: unpacks served by the GPU original (the last tensor packed).
+        misses: unpacks that had to start their copy on the spot.
+    """
+
+    packed: int = 0
+    fetched: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
+    kept_on_device: int = 0
+    misses: int = 0
+
+
+class HostBufferPool:
+    """Flat uint8 host buffers, reused by byte size (pinned when ``pin`` is True).
+
+    Thread-safe: buffers come back from autograd's worker threads.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.allocations = 0  # buffers ever created (a reuse test watches this)
+        self.bytes_in_use = 0
+        self.bytes_free = 0
+        self.peak_bytes_in_use = 0
+
+    def acquire(self, nbytes: int, device_key) -> torch.Tensor:
+        """A flat uint8 buffer of exactly ``nbytes`` bytes, reused when one is free."""
+        key = (device_key, nbytes)
+        with self._lock:
+            bufs = self._free.get(key)
+            buf = bufs.pop() if bufs else None
+            if bufs is not None and not bufs:
+                del self._free[key]
+            if buf is not None:
+                self.bytes_free -= nbytes
+            self.bytes_in_use += nbytes
+            self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)
+        if buf is None:
+            with self._lock:
+                self.allocations += 1
+                self._evict(self.peak_bytes_in_use)  # free buffers of other sizes make room first
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return buf
+
+    def release(self, buf: torch.Tensor, device_key) -> None:
+        """Give ``buf`` back to the pool."""
+        nbytes = buf.numel()
+        key = (device_key, nbytes)
+        with self._lock:
+            self.bytes_in_use -= nbytes
+            self._free.setdefault(key, []).append(buf)
+            self._free.move_to_end(key)
+            self.bytes_free += nbytes
+            self._evict(self.peak_bytes_in_use)
+
+    def _evict(self, limit: int) -> None:
+        """Drop least recently used free buffers until in-use + free bytes fit ``limit`` (lock held)."""
+        while self._free and self.bytes_in_use + self.bytes_free > limit:
+            old_key, old = next(iter(self._free.items()))
+            old.pop()
+            self.bytes_free -= old_key[1]
+            if not old:
+                del self._free[old_key]
+
+    def clear(self) -> None:
+        """Drop every free buffer (buffers in use come back and are kept as usual)."""
+        with self._lock:
+            self._free.clear()
+            self.bytes_free = 0
+
+    @property
+    def bytes_total(self) -> int:
+        return self.bytes_in_use + self.bytes_free
+
+
+class OffloadedTensor:
+    """One tensor living in a pooled host buffer (what ``pack`` returns and ``unpack`` takes).
+
+    Attributes:
+        shape, dtype, device: of the original tensor.
+        host: the host copy (a view of the pooled buffer).
+        on_device: a device tensor ready to hand out (the original, or a fetched copy), else None.
+        fetched: ``on_device`` is a fetched copy (not the original).
+        ready: CUDA event recorded after the copy that filled ``on_device`` (None: nothing to wait for).
+        prev: weak reference to the tensor packed just before this one (the layer below).
+    """
+
+    __slots__ = ("shape", "dtype", "device", "host", "on_device", "fetched", "ready", "prev", "_flat", "_pool",
+                 "_device_key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, flat: torch.Tensor, pool: HostBufferPool, device_key):
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self._flat = flat
+        self._pool = pool
+        self._device_key = device_key
+        self.host = flat.view(tensor.dtype).view(tensor.shape)
+        self.on_device = None
+        self.fetched = False
+        self.ready = None
+        self.prev = None
+
+    def __del__(self):
+        flat, self._flat = getattr(self, "_flat", None), None
+        if flat is not None:
+            try:
+                self._pool.release(flat, self._device_key)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+    def __repr__(self) -> str:
+        return f"OffloadedTensor({tuple(self.shape)}, {self.dtype}, {self.device})"
+
+
+class OffloadedCheckpointer:
+    """Moves tensors to host memory in forward and brings them back, ahead of need, in backward.
+
+    Args:
+        prefetch: on ``unpack`` of a tensor, start fetching the one packed before it.
+        keep_last: the last tensor packed keeps its device original until the next ``pack``.
+
+    Attributes:
+        pool: the host buffers (pinned once CUDA tensors are packed).
+        stats: ``OffloadStats`` counters.
+    """
+
+    def __init__(self, prefetch: bool = True, keep_last: bool = True):
+        self.prefetch = prefetch
+        self.keep_last = keep_last
+        self.stats = OffloadStats()
+        self._pools: dict[bool, HostBufferPool] = {}
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._last: weakref.ref | None = None
+
+    # -- pool ---------------------------------------------------------------------------------
+    def _pool(self, pinned: bool) -> HostBufferPool:
+        pool = self._pools.get(pinned)
+        if pool is None:
+            pool = self._pools[pinned] = HostBufferPool(pin=pinned)
+        return pool
+
+    @property
+    def pool(self) -> HostBufferPool:
+        """The pinned pool when CUDA tensors were packed, else the CPU one."""
+        return self._pools.get(True) or self._pool(False)
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream of ``device`` (created on first use)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(index)
+        if stream is None:
+            stream = self._side_streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    # -- pack / unpack ---------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> OffloadedTensor:
+        """Start copying ``tensor`` to a host buffer; return the handle ``unpack`` takes.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        tensor = tensor.detach()
+        cuda = tensor.device.type == "cuda"
+        device_key = (tensor.device.type, tensor.device.index)
+        nbytes = tensor.numel() * tensor.element_size()
+        pool = self._pool(cuda)
+        packed = OffloadedTensor(tensor, pool.acquire(nbytes, device_key), pool, device_key)
+        if cuda:
+            compute = torch.cuda.current_stream(tensor.device)
+            side = self.side_stream(tensor.device)
+            side.wait_stream(compute)  # the copy must see the finished tensor
+            with torch.cuda.stream(side):
+                packed.host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(side)  # its memory is not reused before the copy has read it
+        else:
+            packed.host.copy_(tensor)
+        self.stats.packed += 1
+        last = self._last() if self._last is not None else None
+        if last is not None:
+            if not last.fetched:
+                last.on_device = None  # only the newest original stays on the device (a prefetched copy stays)
+            packed.prev = self._last
+        if self.keep_last:
+            packed.on_device = tensor
+        self._last = weakref.ref(packed)
+        return packed
+
+    def unpack(self, packed: OffloadedTensor) -> torch.Tensor:
+        """The tensor ``packed`` holds, on its original device; starts fetching the one below.
+
+        Raises:
+            TypeError: ``packed`` is not an ``OffloadedTensor``.
+        """
+        if not isinstance(packed, OffloadedTensor):
+            raise TypeError(f"packed must be an OffloadedTensor, got {type(packed).__name__}")
+        if packed.on_device is None:
+            self.stats.misses += 1
+            self._fetch(packed)
+        elif packed.fetched:
+            self.stats.prefetch_hits += 1
+        else:
+            self.stats.kept_on_device += 1
+        tensor, ready = packed.on_device, packed.ready
+        packed.on_device = packed.ready = None  # the caller owns it now; keep no device memory here
+        packed.fetched = False
+        if ready is not None:
+            compute = torch.cuda.current_stream(tensor.device)
+            compute.wait_event(ready)
+            tensor.record_stream(compute)  # allocated on the side stream, used and freed on this one
+        below = packed.prev() if (self.prefetch and packed.prev is not None) else None
+        if below is not None and below.on_device is None:
+            self.stats.prefetched += 1
+            self._fetch(below)
+        return tensor
+
+    def _fetch(self, packed: OffloadedTensor) -> None:
+        """Issue the host-to-device copy of ``packed`` (on the side stream with CUDA)."""
+        self.stats.fetched += 1
+        if packed.device.type == "cuda":
+            side = self.side_stream(packed.device)
+            with torch.cuda.stream(side):
+                tensor = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+                tensor.copy_(packed.host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            packed.on_device, packed.ready = tensor, ready
+        else:
+            packed.on_device = packed.host.clone()  # stands in for the host-to-device copy
+        packed.fetched = True
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def offloading(self, tensor: torch.Tensor) -> "OffloadInputHooks":
+        """A ``saved_tensors_hooks`` context that offloads ``tensor`` (and only it) when autograd saves it."""
+        return OffloadInputHooks(self, tensor)
+
+    def close(self) -> None:
+        """Forget the last tensor and drop free host buffers (tensors still packed stay valid)."""
+        self._last = None
+        for pool in self._pools.values():
+            pool.clear()
+
+
+class OffloadInputHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that offload one given tensor and keep every other saved tensor as is.
+
+    Put around ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: they then see only the
+    checkpoint's saved inputs (the checkpoint's own hooks handle everything inside).
+    """
+
+    def __init__(self, checkpointer: OffloadedCheckpointer, target: torch.Tensor):
+        self.checkpointer = checkpointer
+        self.target = target
+        self.offloaded = 0
+        super().__init__(self._pack, self._unpack)
+
+    def __exit__(self, *exc):
+        self.target = None  # do not keep the layer input alive through this object
+        return super().__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor):
+        if self.target is not None and _same_tensor(tensor, self.target):
+            self.offloaded += 1
+            return self.checkpointer.pack(tensor)
+        # detach: returning a saved output itself would make a reference cycle through its grad_fn
+        return tensor.detach()
+
+    def _unpack(self, saved):
+        if isinstance(saved, OffloadedTensor):
+            return self.checkpointer.unpack(saved)
+        return saved
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a tensor object over the very same memory, shape and strides."""
+    if a is b:
+        return True
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.numel() > 0 and a.data_ptr() == b.data_ptr())
+
+
+__all__ = ["HostBufferPool", "OffloadInputHooks", "OffloadStats", "OffloadedCheckpointer", "OffloadedTensor"]

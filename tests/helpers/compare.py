@@ -1,0 +1,33 @@
+"""Comparisons shared by parity tests: relative errors of losses and of every trainable gradient."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a − b|| / max(||b||, tiny), in float64 (Frobenius norm)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def grad_errors(model_a: torch.nn.Module, model_b: torch.nn.Module) -> dict[str, float]:
+    """Parameter name → relative error of its gradient (a vs b); both models share names."""
+    grads_b = {n: p.grad for n, p in model_b.named_parameters() if p.requires_grad}
+    out = {}
+    for name, p in model_a.named_parameters():
+        if not p.requires_grad:
+            continue
+        ga, gb = p.grad, grads_b[name]
+        if ga is None or gb is None:
+            out[name] = 0.0 if ga is None and gb is None else float("inf")
+            continue
+        out[name] = rel_err(ga, gb) if gb.abs().max() > 0 else float(ga.abs().max())
+    return out
+
+
+def assert_grads_close(model_a, model_b, rtol: float) -> None:
+    errs = grad_errors(model_a, model_b)
+    assert errs, "no trainable parameters compared"
+    bad = {k: v for k, v in errs.items() if not v <= rtol}
+    assert not bad, f"{len(bad)} gradients differ beyond {rtol}: {dict(list(bad.items())[:5])}"

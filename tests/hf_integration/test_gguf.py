@@ -1,0 +1,324 @@
+"""GGUF export: every family read back with GGUFReader (names, shapes, metadata, dequantised values
+against PEFT's own merge) and loaded by llama.cpp (llama-cpp-python) with logits matching the HF
+model; tokenizers round-trip through llama.cpp; K-quants through llama.cpp's quantizer.
+
+Tiny models here use widths that are multiples of 256 (K-quant rows) and in-process tokenizers
+llama.cpp recognises (byte-level BPE "gpt2" and SentencePiece-style "llama").
+"""
+
+import copy
+import functools
+import sys
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import gguf
+from fasttune.hf_integration import gguf as ft_gguf
+from fasttune.hf_integration.export import save_merged
+from fasttune.hf_integration.gguf import save_gguf
+from fasttune.hf_integration.gguf_tokenizer import _pre_tokenizer_name
+from helpers.tiny_tokenizers import bpe_tokenizer, sp_tokenizer
+
+try:
+    import llama_cpp
+except ImportError:  # CI installs it (see NOTES §5 for the build flags)
+    llama_cpp = None
+needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (NOTES §5)")
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
+ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
+SP_FAMILIES = {"mistral", "gemma", "gemma2", "gemma3_text"}
+TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"}
+EXTRA = {
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),
+    "gemma2": dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=64,
+                   sliding_window=64),
+    "gemma3_text": dict(query_pre_attn_scalar=64, sliding_window=64, final_logit_softcapping=20.0),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    "olmo2": dict(pad_token_id=0, eos_token_id=2),
+}
+DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6)
+SEQ = 12
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(kind):
+    return sp_tokenizer() if kind == "sp" else bpe_tokenizer()
+
+
+def _model(family):
+    """A tiny random LoRA model of ``family`` (random B so the merge matters, random norms)."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **DIMS, tie_word_embeddings=family in TIED, **EXTRA.get(family, {}))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2).add_(0.0 if family.startswith("gemma") else 1.0)
+            else:
+                p.normal_(0.0, 0.05)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, lora).eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family → (peft model, tokenizer, {"f16": path, "q8_0": path}, reference logits, ids)."""
+    root = tmp_path_factory.mktemp("gguf")
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model = _model(family)
+            tok = _tokenizer("sp" if family in SP_FAMILIES else "bpe")
+            paths = save_gguf(model, tok, root / family, ["f16", "q8_0"], name=f"tiny-{family}")
+            ids = torch.randint(3, 400, (1, SEQ), generator=torch.Generator().manual_seed(7))
+            with torch.no_grad():
+                ref = model(ids).logits[0].float().numpy()
+            cache[family] = (model, tok, dict(zip(["f16", "q8_0"], paths)), ref, ids[0].tolist())
+        return cache[family]
+
+    return get
+
+
+def _field(reader, key):
+    return reader.fields[key].contents()
+
+
+def _interleave_rows(w, n_head):
+    """Independent oracle of the rotate-half → interleaved-pairs row order, head by head."""
+    out = np.empty_like(w)
+    d = w.shape[0] // n_head
+    for h in range(n_head):
+        rows = w[h * d:(h + 1) * d]
+        out[h * d:(h + 1) * d][0::2] = rows[: d // 2]
+        out[h * d:(h + 1) * d][1::2] = rows[d // 2:]
+    return out
+
+
+def _expected_tensors(family, model):
+    """GGUF name → expected values, from PEFT's own merge (on a copy) and llama.cpp's conventions."""
+    arch = ARCH.get(family, family)
+    merged = copy.deepcopy(model).merge_and_unload()
+    sd = {k: v.float().numpy() for k, v in merged.state_dict().items()}
+    shift = 1.0 if arch.startswith("gemma") else 0.0
+    per_layer = {
+        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2") else "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    }
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + shift}
+    if family not in TIED:
+        out["output.weight"] = sd["lm_head.weight"]
+    elif arch == "olmo2":
+        out["output.weight"] = sd["model.embed_tokens.weight"]
+    for key, value in sd.items():
+        if not key.startswith("model.layers."):
+            continue
+        _, _, layer, rest = key.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        value = value + shift if "norm" in module else value
+        if arch in ("llama", "granite") and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = DIMS["num_attention_heads"] if "q_proj" in module else DIMS["num_key_value_heads"]
+            value = _interleave_rows(value, heads)
+        out[f"blk.{layer}.{per_layer[module]}.{kind}"] = value
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_reader_names_shapes_metadata_values(family, exported):
+    model, tok, paths, _, _ = exported(family)
+    arch = ARCH.get(family, family)
+    expected = _expected_tensors(family, model)
+    for quant, tol in (("f16", 1e-3), ("q8_0", 1e-2)):
+        reader = gguf.GGUFReader(paths[quant])
+        assert _field(reader, "general.architecture") == arch
+        assert _field(reader, f"{arch}.block_count") == DIMS["num_hidden_layers"]
+        assert _field(reader, f"{arch}.embedding_length") == DIMS["hidden_size"]
+        assert _field(reader, f"{arch}.feed_forward_length") == DIMS["intermediate_size"]
+        assert _field(reader, f"{arch}.attention.head_count") == DIMS["num_attention_heads"]
+        assert _field(reader, f"{arch}.attention.head_count_kv") == DIMS["num_key_value_heads"]
+        assert _field(reader, f"{arch}.context_length") == DIMS["max_position_embeddings"]
+        assert _field(reader, f"{arch}.rope.dimension_count") == DIMS["head_dim"]
+        assert _field(reader, f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+        assert _field(reader, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
+        assert _field(reader, "tokenizer.ggml.model") == ("llama" if family in SP_FAMILIES else "gpt2")
+        assert len(_field(reader, "tokenizer.ggml.tokens")) == DIMS["vocab_size"]
+        assert _field(reader, "tokenizer.chat_template") == tok.chat_template
+        assert _field(reader, "tokenizer.ggml.eos_token_id") == tok.eos_token_id
+        tensors = {t.name: t for t in reader.tensors}
+        assert set(tensors) == set(expected)
+        for name, want in expected.items():
+            t = tensors[name]
+            assert list(t.shape[::-1]) == list(want.shape), name
+            got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(want.shape)
+            is_matrix = want.ndim == 2 and not name.endswith("_norm.weight")
+            assert t.tensor_type == (gguf.GGMLQuantizationType[quant.upper()] if is_matrix
+                                     else gguf.GGMLQuantizationType.F32), name
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert err < (tol if is_matrix else 1e-7), (name, err)
+
+
+def test_arch_specific_metadata(exported):
+    r = gguf.GGUFReader(exported("gemma2")[2]["f16"])
+    assert _field(r, "gemma2.attn_logit_softcapping") == pytest.approx(50.0)
+    assert _field(r, "gemma2.final_logit_softcapping") == pytest.approx(30.0)
+    assert _field(r, "gemma2.attention.sliding_window") == 64
+    assert _field(r, "gemma2.attention.sliding_window_pattern") == [True, False]
+    r = gguf.GGUFReader(exported("gemma3_text")[2]["f16"])
+    assert _field(r, "gemma3.rope.freq_base") == pytest.approx(1e6)
+    assert _field(r, "gemma3.rope.freq_base_swa") == pytest.approx(1e4)
+    assert _field(r, "gemma3.final_logit_softcapping") == pytest.approx(20.0)
+    r = gguf.GGUFReader(exported("granite")[2]["f16"])
+    assert _field(r, "granite.attention.scale") == pytest.approx(0.2)
+    assert _field(r, "granite.embedding_scale") == pytest.approx(2.0)
+    assert _field(r, "granite.residual_scale") == pytest.approx(0.5)
+    assert _field(r, "granite.logit_scale") == pytest.approx(4.0)
+    assert "granite.attention.key_length" not in r.fields
+    r = gguf.GGUFReader(exported("phi3")[2]["f16"])
+    assert _field(r, "phi3.rope.scaling.original_context_length") == 4096
+    assert _field(r, "general.name") == "tiny-phi_3"  # llama.cpp's Phi-3 vocab quirk needs Phi-3 tokens
+    r = gguf.GGUFReader(exported("llama")[2]["f16"])
+    assert _field(r, "tokenizer.ggml.pre") == "gpt-2"
+    assert _field(r, "tokenizer.ggml.eot_token_id") == _tokenizer("bpe").convert_tokens_to_ids("<|im_end|>")
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_logits_match(family, exported):
+    _, _, paths, ref, ids = exported(family)
+    quants = ("f16", "q8_0") if family in ("llama", "qwen2", "gemma2", "phi3") else ("f16",)
+    for quant in quants:
+        llm = llama_cpp.Llama(model_path=str(paths[quant]), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+        llm.eval(ids)
+        got = np.asarray(llm.scores[:SEQ])
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err <= {"f16": 1e-2, "q8_0": 5e-2}[quant], (family, quant, err)
+        del llm
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("kind", ["bpe", "sp", "sp-prefix"])
+def test_llama_cpp_tokenizer_parity(kind, exported, tmp_path):
+    """Same ids from llama.cpp as from transformers: plain text, and a chat prompt with special tokens."""
+    if kind == "sp-prefix":  # Llama-2-style dummy prefix: llama.cpp's add_space_prefix
+        tok = sp_tokenizer(add_prefix_space=True)
+        path = save_gguf(exported("gemma")[0], tok, tmp_path, "f16")[0]
+    else:
+        tok = _tokenizer(kind)
+        path = exported("llama" if kind == "bpe" else "gemma")[2]["f16"]
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, vocab_only=True, verbose=False)
+    # (no leading blank: transformers' Metaspace skips the prefix ▁ before one, llama.cpp's SPM does not)
+    texts = ["Hello world, how are you today?", "double  spaces and 12345 numbers\n\nnew  lines ",
+             "Ünïcödé naïve café 🦙", "fine-tuning isn't hard; it's fun!"]
+    for text in texts:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok(text, add_special_tokens=False)["input_ids"]
+    assert llm.token_eos() == tok.eos_token_id and llm.token_bos() == tok.bos_token_id
+    if kind == "sp-prefix":
+        return  # after special tokens llama.cpp prefixes a space again (transformers' legacy=True behaviour)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False, add_generation_prompt=True)
+    assert llm.tokenize(chat.encode(), add_bos=False, special=True) == tok(chat, add_special_tokens=False)["input_ids"]
+
+
+@needs_llama_cpp
+def test_kquants_through_llama_cpp(exported, tmp_path):
+    model, tok, _, ref, ids = exported("llama")
+    paths = save_gguf(model, tok, tmp_path, ["q4_k_m", "q6_k", "q4_0"], name="run")
+    assert [p.name for p in paths] == ["run-Q4_K_M.gguf", "run-Q6_K.gguf", "run-Q4_0.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no intermediate left
+    expected = _expected_tensors("llama", model)
+    for path, weight_tol, logit_tol in zip(paths, (0.12, 0.04, 0.15), (0.5, 0.15, 0.5)):
+        reader = gguf.GGUFReader(path)
+        types = {t.tensor_type.name for t in reader.tensors}
+        assert {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q6_K": {"Q6_K"}, "Q4_0": {"Q4_0", "Q8_0"}}[path.stem.split("-")[-1]] <= types
+        q = reader.tensors[[t.name for t in reader.tensors].index("blk.0.attn_q.weight")]
+        got = gguf.quants.dequantize(q.data, q.tensor_type)
+        want = expected["blk.0.attn_q.weight"]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < weight_tol
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+        llm.eval(ids)
+        got = np.asarray(llm.scores[:SEQ])
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < logit_tol, path.name
+        del llm
+
+
+def test_from_saved_folder_equals_from_model(exported, tmp_path):
+    model, tok, _, _, _ = exported("qwen2")
+    folder = save_merged(model, tmp_path / "merged", tok, dtype=torch.float32)
+    a = save_gguf(model, tok, tmp_path / "a", "f16", name="same")[0]
+    b = save_gguf(folder, tok, tmp_path / "b", ["f16"], name="same")[0]
+    assert a.read_bytes() == b.read_bytes()
+    c = save_gguf(folder, None, tmp_path / "c", ["f16"])[0]  # tokenizer and name from the folder
+    assert c.name == "merged-F16.gguf" and gguf.GGUFReader(c).fields["tokenizer.ggml.tokens"].contents()[:5] == \
+        gguf.GGUFReader(a).fields["tokenizer.ggml.tokens"].contents()[:5]
+
+
+def test_kquants_without_llama_cpp_name_the_extra(monkeypatch, exported, tmp_path):
+    model, tok, _, _, _ = exported("llama")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ImportError, match=r"pip install 'fasttune\[gguf-kquants\]'") as info:
+        save_gguf(model, tok, tmp_path, ["q8_0", "q4_k_m"])
+    assert "-DGGML_NATIVE=OFF" in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # checked before any work
+
+
+def test_failed_write_leaves_no_file(exported, tmp_path, monkeypatch):
+    model, tok, _, _, _ = exported("llama")
+    calls = []
+    real = ft_gguf._encode
+
+    def flaky(data, qtype):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return real(data, qtype)
+
+    monkeypatch.setattr(ft_gguf, "_encode", flaky)
+    with pytest.raises(OSError):
+        save_gguf(model, tok, tmp_path, ["f16", "q8_0"], name="x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_inputs(exported, tmp_path):
+    model, tok, _, _, _ = exported("llama")
+    with pytest.raises(ValueError, match="q3_z"):
+        save_gguf(model, tok, tmp_path, ["q3_z"])
+    with pytest.raises(ValueError, match="tokenizer is required"):
+        save_gguf(model, None, tmp_path)
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        save_gguf(AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=64, n_head=2,
+                                                                          vocab_size=512)), tok, tmp_path)
+    small = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **{**DIMS, "vocab_size": 256}))
+    with pytest.raises(ValueError, match="embedding has only 256 rows"):
+        save_gguf(small, tok, tmp_path)
+    untied = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma", **DIMS, tie_word_embeddings=False))
+    with torch.no_grad():
+        untied.lm_head.weight.normal_()
+    with pytest.raises(ValueError, match="separate lm_head"):
+        save_gguf(untied, _tokenizer("sp"), tmp_path)
+
+
+@pytest.mark.parametrize("pre, name", [
+    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt-2"),
+    ({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}, "llama-bpe"),
+    ({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}, "qwen2"),
+    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                            {"type": "ByteLevel", "use_regex": True}]}, "refact"),
+    ({"type": "Whitespace"}, "default"),
+])
+def test_pre_tokenizer_recognition(pre, name):
+    assert _pre_tokenizer_name(pre) == name

@@ -1,0 +1,175 @@
+"""lora_mlp (fused LoRA gated MLP, Triton elementwise step) against float64 autograd of reference.py.
+
+Output and every gradient (x; A, B of gate, up and down) for each activation, dense and NF4
+bases, partial adapters, odd widths. Tolerances as in test_lora.py: fp32 rel ≤ 1e-5 (Frobenius);
+bf16: error norm ≤ 2 × that of reference.lora_mlp run in bf16 + 1e-4 of the result's norm.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fasttune.kernels import lora_glu, reference
+from fasttune.kernels.lora import BaseWeight
+from fasttune.kernels.lora_glu import lora_mlp
+from fasttune.kernels.nf4 import dequantize_nf4
+
+
+def proj(out_f, in_f, r, dtype, device, seed, nf4=False):
+    """(base, A, B, s): dense or NF4 (random codes, nested scales) base; trainable A, B (B ≠ 0)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 / math.sqrt(in_f)
+    if nf4:
+        n = out_f * in_f
+        nb = -(-n // 64)
+        state2 = SimpleNamespace(code=torch.sort(torch.rand(256, generator=g)).values.to(device),
+                                 absmax=(torch.rand(-(-nb // 256), generator=g) * scale + scale).to(device),
+                                 blocksize=256)
+        qs = SimpleNamespace(absmax=torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g).to(device),
+                             shape=torch.Size((out_f, in_f)), dtype=dtype, blocksize=64, quant_type="nf4",
+                             nested=True, offset=torch.tensor(0.2 * scale, device=device), state2=state2)
+        base = (torch.randint(0, 256, ((n + 1) // 2, 1), dtype=torch.uint8, generator=g).to(device), qs)
+    else:
+        base = (torch.randn(out_f, in_f, generator=g) * 1.5 * scale).to(device, dtype)
+    if r == 0:
+        return base, None, None, 0.0
+    a = (torch.randn(r, in_f, generator=g) * scale).to(device, dtype).requires_grad_()
+    b = (torch.randn(out_f, r, generator=g) / math.sqrt(r)).to(device, dtype).requires_grad_()
+    return base, a, b, 0.5 + seed % 4 * 0.5
+
+
+def leaf(t, dtype):
+    return None if t is None else t.detach().to(dtype).requires_grad_()
+
+
+def run_reference(x, specs, dy, activation, dtype):
+    xl = leaf(x, dtype)
+    leaves, ref_specs = [xl], []
+    for base, a, b, s in specs:
+        bw = BaseWeight.of(base)
+        w = dequantize_nf4(bw.weight, bw.quant_state) if bw.is_nf4 else bw.weight
+        al, bl = leaf(a, dtype), leaf(b, dtype)
+        leaves += [t for t in (al, bl) if t is not None]
+        ref_specs.append((w.to(dtype), al, bl, s))
+    y = reference.lora_mlp(xl, *ref_specs, activation=activation)
+    return y, torch.autograd.grad(y, leaves, dy.to(dtype))
+
+
+def assert_close(got, ref64, same, name):
+    err = (got.double() - ref64).norm().item()
+    scale = ref64.norm().item()
+    bound = 1e-5 * scale if same is None else 2 * (same.double() - ref64).norm().item() + 1e-4 * scale
+    assert err <= bound, f"{name}: err {err:.3e} > bound {bound:.3e} (scale {scale:.3e})"
+
+
+def check_mlp(x, specs, activation, dtype):
+    y = lora_mlp(x, *specs, activation=activation)
+    assert y.dtype == dtype and y.shape == x.shape[:-1] + (BaseWeight.of(specs[2][0]).shape[0],)
+    dy = torch.randn_like(y)
+    params = [x] + [t for _, a, b, _ in specs for t in (a, b) if t is not None]
+    got = torch.autograd.grad(y, params, dy)
+    ref_y, ref_g = run_reference(x, specs, dy, activation, torch.float64)
+    same_y, same_g = (None, [None] * len(params))
+    if dtype != torch.float32:
+        same_y, same_g = run_reference(x, specs, dy, activation, dtype)
+    assert_close(y, ref_y, same_y, "output")
+    for i, (g, r, s) in enumerate(zip(got, ref_g, same_g)):
+        assert g.dtype == params[i].dtype
+        assert_close(g, r, s, f"grad {i}")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mlp_dense(device, dtype, activation):
+    torch.manual_seed(0)
+    x = torch.randn(2, 37, 72, device=device, dtype=dtype, requires_grad=True)
+    specs = [proj(203, 72, 8, dtype, device, 1), proj(203, 72, 8, dtype, device, 2), proj(72, 203, 8, dtype, device, 3)]
+    check_mlp(x, specs, activation, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mlp_nf4(device, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(45, 96, device=device, dtype=dtype, requires_grad=True)
+    specs = [proj(200, 96, 8, dtype, device, 4, nf4=True), proj(200, 96, 16, dtype, device, 5, nf4=True),
+             proj(96, 200, 8, dtype, device, 6, nf4=True)]
+    check_mlp(x, specs, "silu", dtype)
+
+
+@pytest.mark.parametrize("missing", [0, 2])
+def test_lora_mlp_partial_adapters(device, missing):
+    """No adapter on gate (missing=0) or on down (missing=2: H is then not recomputed)."""
+    torch.manual_seed(2)
+    x = torch.randn(31, 64, device=device, requires_grad=True)
+    specs = [proj(150, 64, 8, torch.float32, device, 7), proj(150, 64, 4, torch.float32, device, 8),
+             proj(64, 150, 8, torch.float32, device, 9)]
+    specs[missing] = (specs[missing][0], None, None, 0.0)
+    check_mlp(x, specs, "gelu_tanh", torch.float32)
+
+
+def test_torch_fallback_matches_triton(device, monkeypatch):
+    """The elementwise step's PyTorch fallback (no Triton) gives the same numbers."""
+    torch.manual_seed(3)
+    x = torch.randn(20, 64, device=device, requires_grad=True)
+    specs = [proj(96, 64, 4, torch.float32, device, 10), proj(96, 64, 4, torch.float32, device, 11),
+             proj(64, 96, 4, torch.float32, device, 12)]
+    params = [x] + [t for _, a, b, _ in specs for t in (a, b)]
+    y = lora_mlp(x, *specs)
+    g1 = torch.autograd.grad(y.square().sum(), params)
+    monkeypatch.setattr(lora_glu, "use_triton", lambda *t: False)
+    y2 = lora_mlp(x, *specs)
+    g2 = torch.autograd.grad(y2.square().sum(), params)
+    for a, b in zip((y, *g1), (y2, *g2)):
+        assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+def test_saves_x_g_u_not_h(device):
+    """Saved for backward: X [N, D], G and U [N, I], XA and HA (rank-wide), the adapters; no H."""
+    n, d, i = 24, 64, 160
+    x = torch.randn(n, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    specs = [proj(i, d, 8, torch.bfloat16, device, 13, nf4=True), proj(i, d, 4, torch.bfloat16, device, 14),
+             proj(d, i, 8, torch.bfloat16, device, 15, nf4=True)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        lora_mlp(x, *specs)
+    adapters = sum(t.numel() for _, a, b, _ in specs for t in (a, b))
+    assert sum(saved) == n * d + 2 * n * i + n * (8 + 4) + n * 8 + adapters
+
+
+def test_backward_twice_raises(device):
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    specs = [proj(96, 64, 4, torch.float32, device, s) for s in (16, 17)] + [proj(64, 96, 4, torch.float32, device, 18)]
+    y = lora_mlp(x, *specs).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        y.backward()
+
+
+def test_invalid_inputs_raise(device):
+    x = torch.randn(8, 64, device=device)
+    g, u, d = (proj(96, 64, 4, torch.float32, device, 19), proj(96, 64, 4, torch.float32, device, 20),
+               proj(64, 96, 4, torch.float32, device, 21))
+    with pytest.raises(ValueError, match="activation"):
+        lora_mlp(x, g, u, d, activation="relu")
+    with pytest.raises(ValueError, match="up has"):
+        lora_mlp(x, g, proj(80, 64, 4, torch.float32, device, 22), d)
+    with pytest.raises(ValueError, match="down expects"):
+        lora_mlp(x, g, u, proj(64, 80, 4, torch.float32, device, 23))
+    with pytest.raises(TypeError, match="base weight is"):
+        lora_mlp(x, (g[0].half(), *g[1:]), u, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nf4", [False, True])
+def test_llama8b_mlp_on_gpu(nf4):
+    """Llama-3-8B MLP: x [8192, 4096], I = 14336, r = 16, bf16, against float64."""
+    torch.manual_seed(4)
+    dt = torch.bfloat16
+    x = torch.randn(8192, 4096, device="cuda", dtype=dt, requires_grad=True)
+    specs = [proj(14336, 4096, 16, dt, "cuda", 30, nf4), proj(14336, 4096, 16, dt, "cuda", 31, nf4),
+             proj(4096, 14336, 16, dt, "cuda", 32, nf4)]
+    check_mlp(x, specs, "silu", dt)

@@ -1,0 +1,165 @@
+"""dequantize_nf4 (Triton) against reference.dequantize_nf4 and bitsandbytes, bit for bit.
+
+Two kinds of input: random packed codes and scales in a duck-typed QuantState (every byte and
+scale value is a valid input, no bitsandbytes needed, runs on the GPU image too), and real
+``bitsandbytes.functional.quantize_4bit`` outputs compared with ``dequantize_4bit``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fasttune.kernels import nf4 as nf4_mod
+from fasttune.kernels import reference
+from fasttune.kernels.nf4 import dequantize_nf4
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHAPES = ((200, 96), (37, 64), (33, 5))  # 33·5 is odd: the last byte holds one value
+
+
+def random_nf4(shape, dtype, blocksize, nested, device, seed=0):
+    """Random packed NF4 codes and a duck-typed QuantState (scales ~ 1, nested or not)."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    n_blocks = -(-n // blocksize)
+    packed = torch.randint(0, 256, ((n + 1) // 2, 1), dtype=torch.uint8, generator=g)
+    state2, offset = None, None
+    if nested:
+        absmax = torch.randint(0, 256, (n_blocks,), dtype=torch.uint8, generator=g)
+        code2 = torch.sort(torch.rand(256, generator=g) * 2 - 1).values
+        absmax2 = torch.rand(-(-n_blocks // 256), generator=g) + 0.5
+        state2 = SimpleNamespace(absmax=absmax2.to(device), code=code2.to(device), blocksize=256)
+        offset = torch.tensor(0.7312, device=device)
+    else:
+        absmax = torch.rand(n_blocks, generator=g) * 2 + 0.05
+    qs = SimpleNamespace(absmax=absmax.to(device), shape=torch.Size(shape), dtype=dtype, blocksize=blocksize,
+                         quant_type="nf4", nested=nested, offset=offset, state2=state2)
+    return packed.to(device), qs
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("blocksize", [32, 64, 128, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_on_random_codes(device, dtype, blocksize, nested):
+    for i, shape in enumerate(SHAPES):
+        packed, qs = random_nf4(shape, dtype, blocksize, nested, device, seed=i)
+        out = dequantize_nf4(packed, qs)
+        assert out.dtype == dtype and out.shape == shape
+        assert torch.equal(out, reference.dequantize_nf4(packed, qs))
+
+
+def test_reference_fallback_path(device, monkeypatch):
+    packed, qs = random_nf4((37, 64), torch.bfloat16, 64, True, device)
+    expected = dequantize_nf4(packed, qs)
+    monkeypatch.setattr(nf4_mod, "use_triton", lambda *t: False)
+    buf = torch.empty(37, 64, dtype=torch.float32, device=device)
+    assert torch.equal(dequantize_nf4(packed, qs), expected)
+    assert dequantize_nf4(packed, qs, out=buf) is buf and torch.equal(buf, expected.float())
+
+
+def test_out_buffer_and_dtype_cast(device):
+    packed, qs = random_nf4((200, 96), torch.float32, 64, True, device, seed=3)
+    full = dequantize_nf4(packed, qs)
+    buf = torch.full((200, 96), float("nan"), device=device)
+    assert dequantize_nf4(packed, qs, out=buf) is buf and torch.equal(buf, full)
+    # Another dtype: rounded to quant_state.dtype first, then cast (= dequantize_4bit(...).to(dtype)).
+    for out_dtype in (torch.bfloat16, torch.float16):
+        buf = torch.empty(200, 96, dtype=out_dtype, device=device)
+        assert torch.equal(dequantize_nf4(packed, qs, out=buf), full.to(out_dtype))
+    qs.dtype = torch.bfloat16
+    as_bf16 = dequantize_nf4(packed, qs)
+    buf = torch.empty(200, 96, dtype=torch.float32, device=device)
+    assert torch.equal(dequantize_nf4(packed, qs, out=buf), as_bf16.float())
+
+
+def test_bad_inputs_raise(device):
+    packed, qs = random_nf4((37, 64), torch.float16, 64, False, device)
+    with pytest.raises(ValueError, match="shape"):
+        dequantize_nf4(packed, qs, out=torch.empty(64, 37, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        dequantize_nf4(packed, qs, out=torch.empty(64, 37, dtype=torch.float16, device=device).t())
+    with pytest.raises(TypeError, match="out must be"):
+        dequantize_nf4(packed, qs, out=torch.empty(37, 64, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="bytes"):
+        dequantize_nf4(packed[:100], qs)
+    with pytest.raises(TypeError, match="packed"):
+        dequantize_nf4(packed.tolist(), qs)
+    with pytest.raises(TypeError, match="absmax"):
+        dequantize_nf4(packed, SimpleNamespace(shape=qs.shape, dtype=qs.dtype, blocksize=64))
+    fp4 = copy.copy(qs)
+    fp4.quant_type = "fp4"
+    with pytest.raises(ValueError, match="nf4"):
+        dequantize_nf4(packed, fp4)
+    odd = copy.copy(qs)
+    odd.blocksize = 48
+    with pytest.raises(ValueError, match="power of two"):
+        dequantize_nf4(packed, odd)
+
+
+# --------------------------------------------------------------------------------------------
+# Against bitsandbytes itself
+# --------------------------------------------------------------------------------------------
+
+
+def _bnb_dequantize(F, packed, qs):
+    """bitsandbytes' dequantize_4bit. On CPU (0.50.2) its AVX-512 kernel mis-reads 2-D weights
+    whose rows are a multiple of 16 wide but not of blocksize (e.g. 96 with blocksize 64); the 1-D
+    call runs the same kernel over the flat layout that quantize_4bit writes and CUDA reads.
+    Eager: its PyTorch fallback (odd widths) is torch.compile'd, seconds per new shape on CPU."""
+    if packed.is_cuda:
+        return F.dequantize_4bit(packed, qs)
+    flat = copy.copy(qs)
+    flat.shape = torch.Size([math.prod(qs.shape)])
+    with torch.compiler.set_stance("force_eager"):
+        return F.dequantize_4bit(packed, flat).reshape(qs.shape)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("blocksize", [64, 256, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_bitsandbytes(device, dtype, blocksize, nested):
+    F = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(blocksize + nested)
+    for shape in SHAPES:
+        w = torch.randn(shape, dtype=dtype, device=device)
+        packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
+        ours = dequantize_nf4(packed, qs)
+        assert torch.equal(ours, _bnb_dequantize(F, packed, qs))
+        assert torch.equal(ours, reference.dequantize_nf4(packed, qs))
+
+
+def test_bitsandbytes_roundtrip_and_storage(device):
+    """Our reading of quantize_4bit's layout gives back the weight within NF4's error, and a
+    non-uint8 quant_storage (FSDP QLoRA) reads the same bytes."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(1)
+    w = torch.randn(200, 96, device=device)
+    packed, qs = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    out = dequantize_nf4(packed, qs)
+    block_max = w.reshape(-1, 64).abs().amax(1, keepdim=True)
+    # Largest half-gap between neighbouring NF4 levels is (1 - 0.6962) / 2 < 0.153.
+    assert ((out - w).reshape(-1, 64).abs() <= 0.153 * block_max + 1e-6).all()
+    packed_bf16, qs_bf16 = F.quantize_4bit(w, blocksize=64, quant_type="nf4", quant_storage=torch.bfloat16)
+    assert packed_bf16.dtype == torch.bfloat16
+    assert torch.equal(dequantize_nf4(packed_bf16, qs_bf16), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nested", [False, True])
+def test_llama8b_mlp_weight_on_gpu(nested):
+    """A Llama-3-8B MLP weight (14336 × 4096), bf16, blocksize 64: bit-exact at full size."""
+    packed, qs = random_nf4((14336, 4096), torch.bfloat16, 64, nested, "cuda", seed=5)
+    out = dequantize_nf4(packed, qs)
+    assert torch.equal(out, reference.dequantize_nf4(packed, qs))
+    try:
+        import bitsandbytes.functional as F
+    except ImportError:
+        return
+    w = torch.randn(14336, 4096, dtype=torch.bfloat16, device="cuda")
+    packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    assert torch.equal(dequantize_nf4(packed, qs), F.dequantize_4bit(packed, qs))

@@ -1,0 +1,149 @@
+"""The fused-loss causal-LM head: same loss and gradients as stock, stock behaviour where it must be."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fasttune import FastConfig, patch_model, unpatch_model
+from fasttune.model_patches.head import FusedLMHeadOutput, head_forward
+from helpers.compare import assert_grads_close, rel_err
+from helpers.tiny_models import make_batch, tiny_model
+
+HEAD_ONLY = FastConfig(rms_norm=False, rope=False, mlp=False, lora=False)
+
+
+def _loss_and_backward(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kw)
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_head_parity_fp32(tied):
+    stock = tiny_model("llama", tie_word_embeddings=tied)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, HEAD_ONLY)
+    assert report.patched["cross_entropy"] == 1
+    batch = make_batch(stock.config.vocab_size, seed=1)
+    a, b = _loss_and_backward(fast, batch), _loss_and_backward(stock, batch)
+    assert a.logits is None  # training forward with labels: no [tokens, vocab] tensor returned
+    assert rel_err(a.loss, b.loss) <= 1e-6
+    assert_grads_close(fast, stock, 1e-5)
+
+
+def test_num_items_in_batch_divides_the_sum():
+    stock = tiny_model("llama")
+    fast = copy.deepcopy(stock)
+    patch_model(fast, HEAD_ONLY)
+    batch = make_batch(stock.config.vocab_size, seed=2)
+    n = torch.tensor(57)
+    a = _loss_and_backward(fast, batch, num_items_in_batch=n)
+    b = _loss_and_backward(stock, batch, num_items_in_batch=n)
+    assert rel_err(a.loss, b.loss) <= 1e-6
+    assert_grads_close(fast, stock, 1e-5)
+
+
+def test_eval_mode_and_no_labels_return_stock_logits():
+    stock = tiny_model("llama")
+    fast = copy.deepcopy(stock)
+    patch_model(fast, HEAD_ONLY)
+    batch = make_batch(stock.config.vocab_size, seed=3)
+    fast.eval(), stock.eval()
+    with torch.no_grad():
+        a, b = fast(**batch), stock(**batch)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+        nolab = {k: v for k, v in batch.items() if k != "labels"}
+        assert torch.equal(fast(**nolab).logits, stock(**nolab).logits)
+
+
+def test_return_logits_option_takes_the_stock_path():
+    model = tiny_model("llama")
+    patch_model(model, FastConfig(rms_norm=False, rope=False, mlp=False, lora=False, return_logits=True))
+    out = model(**make_batch(model.config.vocab_size))
+    assert out.logits is not None and out.logits.shape[-1] == model.config.vocab_size
+
+
+def test_peft_wrapped_model():
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model("llama")
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    stock = get_peft_model(copy.deepcopy(base), cfg)
+    fast = get_peft_model(copy.deepcopy(base), cfg)
+    fast.load_state_dict(stock.state_dict())
+    report = patch_model(fast, HEAD_ONLY)
+    assert report.patched["cross_entropy"] == 1
+    batch = make_batch(base.config.vocab_size, seed=4)
+    a, b = _loss_and_backward(fast, batch), _loss_and_backward(stock, batch)
+    assert rel_err(a.loss, b.loss) <= 1e-6
+    assert_grads_close(fast, stock, 1e-5)
+
+
+def test_trl_fused_lm_head_protocol():
+    model = tiny_model("llama")
+    patch_model(model, HEAD_ONLY)
+    batch = make_batch(model.config.vocab_size, seed=5)
+    out = model(**batch, fused_lm_head=True)
+    assert isinstance(out, FusedLMHeadOutput)
+    with torch.no_grad():
+        logits = unpatched_logits(model, batch)[:, :-1].double()
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    logp = torch.log_softmax(logits, -1)
+    ref_lp = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * mask
+    ref_ent = -(logp.exp() * logp).sum(-1) * mask
+    assert torch.equal(out.label_mask, mask)
+    assert rel_err(out.log_probs, ref_lp) <= 1e-6
+    assert rel_err(out.entropy, ref_ent) <= 1e-5
+    assert torch.equal(out.is_top1, (logits.argmax(-1) == labels) & mask)
+    assert rel_err(out.loss, -ref_lp.sum() / mask.sum()) <= 1e-6
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def unpatched_logits(model, batch):
+    report_model = copy.deepcopy(model)
+    unpatch_model(report_model)
+    report_model.eval()
+    return report_model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+def test_quantised_or_wrapped_lm_head_falls_back():
+    model = tiny_model("llama")
+
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model.lm_head = Scaled(model.lm_head)
+    report = patch_model(model, HEAD_ONLY)
+    assert report.patched["cross_entropy"] == 0
+    assert any(fb.op == "cross_entropy" and "nn.Linear" in fb.reason for fb in report.fallbacks)
+    assert head_forward(model) is None
+
+
+def test_unpatch_restores_the_class_forward():
+    model = tiny_model("llama")
+    patch_model(model, HEAD_ONLY)
+    assert "forward" in model.__dict__
+    unpatch_model(model)
+    assert "forward" not in model.__dict__
+
+
+def test_autocast_bf16_matches_stock_within_bf16_noise():
+    stock = tiny_model("llama")
+    fast = copy.deepcopy(stock)
+    patch_model(fast, HEAD_ONLY)
+    batch = make_batch(stock.config.vocab_size, seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = fast(**batch).loss
+        b = stock(**batch).loss
+    ref = stock(**batch).loss  # fp32
+    assert abs(float(a) - float(ref)) <= 2 * abs(float(b) - float(ref)) + 2e-2

@@ -1,0 +1,191 @@
+"""OffloadedCheckpointer on its own: pack/unpack, prefetch chain, buffer pool, hooks; real streams on CUDA."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from fasttune.model_patches.offload import HostBufferPool, OffloadedCheckpointer, OffloadedTensor
+
+
+def _rand(shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_is_a_copy_and_unpack_returns_it_exactly(device, dtype):
+    ck = OffloadedCheckpointer(keep_last=False)
+    x = _rand((3, 37, 29), dtype, device, 0)
+    expect = x.clone()
+    packed = ck.pack(x)
+    x.add_(1)  # the host copy must not see later writes to the original
+    assert packed.host.device.type == "cpu"
+    out = ck.unpack(packed)
+    assert out.device == x.device and out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, expect)
+    assert ck.stats.misses == 1 and ck.stats.packed == 1
+
+
+def test_non_contiguous_input(device):
+    ck = OffloadedCheckpointer(keep_last=False)
+    x = _rand((40, 30), torch.float32, device, 1).t()[::2]
+    out = ck.unpack(ck.pack(x))
+    assert torch.equal(out, x)
+
+
+def test_keep_last_keeps_only_the_newest_original(device):
+    ck = OffloadedCheckpointer()
+    a, b = _rand((5, 7), torch.float32, device, 2), _rand((5, 7), torch.float32, device, 3)
+    pa, pb = ck.pack(a), ck.pack(b)
+    assert pa.on_device is None
+    assert pb.on_device is not None and pb.on_device.data_ptr() == b.data_ptr()
+    assert pb.prev() is pa and pa.prev is None
+
+
+def test_prefetch_chain_brings_back_the_layer_below(device):
+    ck = OffloadedCheckpointer()
+    xs = [_rand((4, 9, 16), torch.float32, device, s) for s in range(4)]
+    packed = [ck.pack(x) for x in xs]
+    for i in reversed(range(4)):  # backward order
+        assert torch.equal(ck.unpack(packed[i]), xs[i])
+        if i > 0:
+            assert packed[i - 1].on_device is not None  # fetched ahead of its unpack
+    s = ck.stats
+    assert (s.kept_on_device, s.prefetch_hits, s.prefetched, s.misses) == (1, 3, 3, 0)
+
+
+def test_without_prefetch_every_unpack_misses(device):
+    ck = OffloadedCheckpointer(prefetch=False, keep_last=False)
+    xs = [_rand((6, 8), torch.float32, device, s) for s in range(3)]
+    packed = [ck.pack(x) for x in xs]
+    for i in reversed(range(3)):
+        assert torch.equal(ck.unpack(packed[i]), xs[i])
+    assert ck.stats.misses == 3 and ck.stats.prefetched == 0
+
+
+def test_unpack_twice_refetches(device):
+    ck = OffloadedCheckpointer()
+    x = _rand((8, 8), torch.float32, device, 4)
+    p = ck.pack(x)
+    assert torch.equal(ck.unpack(p), x)
+    assert torch.equal(ck.unpack(p), x)  # retain_graph: a second backward unpacks again
+    assert ck.stats.misses == 1
+
+
+def test_pool_reuses_buffers_across_steps(device):
+    ck = OffloadedCheckpointer()
+    for step in range(4):
+        xs = [_rand((2, 33, 24), torch.bfloat16, device, 10 * step + i) for i in range(5)]
+        packed = [ck.pack(x) for x in xs]
+        for i in reversed(range(5)):
+            assert torch.equal(ck.unpack(packed[i]), xs[i])
+        del packed
+        gc.collect()
+        assert ck.pool.bytes_in_use == 0
+        assert ck.pool.allocations == 5, f"step {step}: buffers were re-allocated"
+
+
+def test_pool_stays_bounded_when_shapes_change():
+    pool = HostBufferPool(pin=False)
+    for size in (1000, 3000, 1000, 5000, 2000):
+        bufs = [pool.acquire(size, "cpu") for _ in range(4)]
+        for b in bufs:
+            pool.release(b, "cpu")
+        assert pool.bytes_in_use == 0
+        assert pool.bytes_total <= pool.peak_bytes_in_use
+    assert pool.peak_bytes_in_use == 4 * 5000
+    pool.clear()
+    assert pool.bytes_free == 0
+
+
+def test_bad_arguments_raise():
+    ck = OffloadedCheckpointer()
+    with pytest.raises(TypeError, match="tensor"):
+        ck.pack([1.0])
+    with pytest.raises(TypeError, match="packed"):
+        ck.unpack(torch.zeros(2))
+
+
+def test_hooks_offload_only_the_target_and_gradients_match(device):
+    ck = OffloadedCheckpointer(keep_last=False)
+    x = _rand((7, 5), torch.float32, device, 5).requires_grad_()
+    w = _rand((5, 3), torch.float32, device, 6).requires_grad_()
+    ref_x, ref_w = torch.autograd.grad((x @ w).sin().sum(), (x, w))
+    hooks = ck.offloading(x)
+    with hooks:
+        y = (x @ w).sin().sum()  # mm saves x and w; sin saves its input
+    assert hooks.offloaded == 1 and hooks.target is None
+    gx, gw = torch.autograd.grad(y, (x, w))
+    assert torch.equal(gx, ref_x) and torch.equal(gw, ref_w)
+    assert ck.stats.packed == 1 and ck.stats.misses == 1
+
+
+def test_two_checkpointers_share_nothing(device):
+    a, b = OffloadedCheckpointer(), OffloadedCheckpointer()
+    pa1 = a.pack(_rand((3, 3), torch.float32, device, 7))
+    pb1 = b.pack(_rand((3, 3), torch.float32, device, 8))
+    pa2 = a.pack(_rand((3, 3), torch.float32, device, 9))
+    assert pa2.prev() is pa1 and pb1.prev is None
+    assert a.pool is not b.pool and b.stats.packed == 1
+    assert isinstance(pa1, OffloadedTensor)
+
+
+# --- real CUDA streams ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_cuda_pack_uses_pinned_memory_and_a_side_stream():
+    ck = OffloadedCheckpointer(keep_last=False)
+    x = torch.randn(64, 1024, device="cuda")
+    expect = x.clone()
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(200_000_000)  # keep the compute stream busy
+    packed = ck.pack(x)
+    side = ck.side_stream(x.device)
+    assert side != compute
+    assert packed.host.is_pinned()
+    # The host returned at once and the copy waits behind the busy compute stream on the side stream.
+    assert not side.query()
+    torch.cuda.synchronize()
+    assert torch.equal(packed.host, expect.cpu())
+    assert torch.equal(ck.unpack(packed), expect)
+
+
+@pytest.mark.gpu
+def test_cuda_prefetch_runs_while_the_compute_stream_is_busy():
+    ck = OffloadedCheckpointer()
+    xs = [torch.randn(256, 1024, device="cuda") for _ in range(3)]
+    packed = [ck.pack(x) for x in xs]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy compute stream: the "recompute" of the top layer
+    top = ck.unpack(packed[2])  # kept on device; starts fetching packed[1] on the side stream
+    below = packed[1]
+    assert below.fetched and below.ready is not None
+    below.ready.synchronize()  # the prefetch finished...
+    assert not torch.cuda.current_stream().query()  # ...while the compute stream was still busy
+    assert torch.equal(ck.unpack(below), xs[1])
+    assert torch.equal(top, xs[2])
+    assert torch.equal(ck.unpack(packed[0]), xs[0])
+    torch.cuda.synchronize()
+    assert ck.stats.prefetch_hits == 2 and ck.stats.misses == 0
+
+
+@pytest.mark.gpu
+def test_cuda_pool_no_growth_and_no_leak_over_steps():
+    ck = OffloadedCheckpointer()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for step in range(5):
+        xs = [torch.randn(4, 512, 768, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+        packed = [ck.pack(x) for x in xs]
+        del xs
+        outs = [ck.unpack(p) for p in reversed(packed)]
+        del outs, packed
+        gc.collect()
+        torch.cuda.synchronize()
+        del_pending = torch.empty(1, device="cuda")  # lets the allocator retire record_stream'd blocks
+        del del_pending
+        assert ck.pool.allocations == 6 and ck.pool.bytes_in_use == 0
+        assert torch.cuda.memory_allocated() == base, f"step {step}: device memory leaked"
