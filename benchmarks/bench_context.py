@@ -8,9 +8,9 @@
     the last success) would overrun the stack's time cap or the global deadline: the result then
     says "time cap", with the measured GPU and pinned-host GiB per 1k tokens to extrapolate from.
 (b) Tokens/s of "auto" inside an 80 GiB GPU (``torch.cuda.set_per_process_memory_fraction``;
-    budget = free memory minus margin) vs "recompute", bf16 LoRA 4×2048 step.
+    budget = free memory minus margin) vs "recompute", bf16 LoRA 4×2048 step (``--shape``).
 (c) "offload" vs "recompute" (and no checkpointing, for reference) on the same step; target:
-    offload at most 5% slower than recompute.
+    offload at most 5% slower than recompute. ``--only c --shape 1x32768`` checks long sequences.
 
 Models are random-init (no downloads): built in bf16 on the GPU from the config; for (a) every
 decoder Linear is then replaced by a ``bitsandbytes.nn.Linear4bit`` quantized from those weights.
@@ -143,7 +143,7 @@ def attempt(model, seq: int, vocab: int, pinned=None) -> dict:
     return out
 
 
-def search(run, cap_s: float, deadline: Deadline, log) -> dict:
+def search(run, cap_s: float, deadline: Deadline, log, start: int = START_LEN) -> dict:
     """Doubling from START_LEN, then bisection; stops at MAX_ATTEMPTS or when the next attempt would not fit.
 
     An attempt whose peak memory, extrapolated linearly from the two longest successes, exceeds the
@@ -154,7 +154,7 @@ def search(run, cap_s: float, deadline: Deadline, log) -> dict:
     total_gib = torch.cuda.mem_get_info()[1] / GIB
     while sum(a["seconds"] > 0 for a in attempts) < MAX_ATTEMPTS:  # predicted failures cost nothing
         if bad is None:
-            seq = START_LEN if ok == 0 else 2 * ok
+            seq = start if ok == 0 else 2 * ok
         elif bad - ok <= GRANULARITY:
             break
         else:
@@ -169,8 +169,7 @@ def search(run, cap_s: float, deadline: Deadline, log) -> dict:
                 bad = seq if bad is None else min(bad, seq)
                 continue
         left = min(cap_s - (time.perf_counter() - t_leg), deadline.left())
-        # Attention makes the step superlinear in the length; 1.6 fits 32k→128k on an H200.
-        predicted = 5.0 + (last["seconds"] * (seq / last["seq"]) ** 1.6 if last else 5.0)
+        predicted = 5.0 + (last["seconds"] * (seq / last["seq"]) ** _time_exponent(attempts) if last else 5.0)
         if predicted > left:
             stopped = f"time cap: {seq} tokens predicted {predicted:.0f} s, {max(left, 0):.0f} s left"
             break
@@ -188,6 +187,21 @@ def search(run, cap_s: float, deadline: Deadline, log) -> dict:
     return result
 
 
+def _time_exponent(attempts: list[dict]) -> float:
+    """Growth of step time with length: fitted on the two longest successes plus 0.3, within [1.5, 2].
+
+    Attention makes the step superlinear and more so as it grows (H200, 8B QLoRA: 1.2 from 32k to
+    64k, 1.5 from 64k to 128k, 1.9 from 128k to 256k for Unsloth); quadratic without two points.
+    """
+    oks = sorted((a for a in attempts if a["ok"]), key=lambda a: a["seq"])[-2:]
+    if len(oks) < 2 or oks[0]["seconds"] <= 0:
+        return 2.0
+    import math
+
+    fitted = math.log(oks[1]["seconds"] / oks[0]["seconds"]) / math.log(oks[1]["seq"] / oks[0]["seq"])
+    return min(2.0, max(1.5, fitted + 0.3))
+
+
 def per_1k_tokens(oks: list[dict], limits: bool = False) -> dict:
     """Slopes of GPU peak and pinned host memory per 1k tokens, from the two longest successes."""
     if len(oks) < 2:
@@ -199,7 +213,8 @@ def per_1k_tokens(oks: list[dict], limits: bool = False) -> dict:
         out["pinned_gib_per_1k"] = round((b["pinned_gib"] - a["pinned_gib"]) / k, 4)
     total = torch.cuda.mem_get_info()[1]
     if limits and out["gpu_gib_per_1k"] > 0:
-        out["gpu_limit_tokens_linear_fit"] = int(b["seq"] + (total / GIB - b["peak_gib"]) / out["gpu_gib_per_1k"] * 1024)
+        extra_k = (total / GIB - b["peak_gib"]) / out["gpu_gib_per_1k"]
+        out["gpu_limit_tokens_linear_fit"] = int(b["seq"] + extra_k * 1024)
     return out
 
 
@@ -226,12 +241,12 @@ def part_a(args, deadline: Deadline, log) -> dict:
     if "fasttune" in stacks:
         results["fasttune_offload"] = fasttune_leg(model, args, deadline, log)
     if "hf" in stacks:
-        results["hf_checkpointing"] = hf_leg(model, deadline, log)
+        results["hf_checkpointing"] = hf_leg(model, args, deadline, log)
     del model
     release()
     if "unsloth" in stacks:
         log("  (a) Unsloth (separate process)")
-        results["unsloth"] = run_unsloth(ckpt_dir, deadline, log)
+        results["unsloth"] = run_unsloth(ckpt_dir, args, deadline, log)
     return results
 
 
@@ -249,7 +264,8 @@ def fasttune_leg(model, args, deadline: Deadline, log) -> dict:
         return n * seq * LLAMA_8B["hidden_size"] * 2
 
     try:
-        result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"], pinned), 125, deadline, log)
+        result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"], pinned), args.leg_cap, deadline, log,
+                        args.start_len)
     except Exception as err:  # a broken stack is a result too
         result = dict(error=f"{type(err).__name__}: {err}")
     unpatch_model(model)
@@ -257,12 +273,13 @@ def fasttune_leg(model, args, deadline: Deadline, log) -> dict:
     return result
 
 
-def hf_leg(model, deadline: Deadline, log) -> dict:
+def hf_leg(model, args, deadline: Deadline, log) -> dict:
     log("  (a) Hugging Face checkpointing (use_reentrant=False, stock loss)")
     base = model.get_base_model()
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
-        result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"]), 80, deadline, log)
+        result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"]), min(80.0, args.leg_cap), deadline, log,
+                        args.start_len)
     except Exception as err:
         result = dict(error=f"{type(err).__name__}: {err}")
     base.gradient_checkpointing_disable()
@@ -286,11 +303,12 @@ def write_checkpoint(model) -> str:
     return path
 
 
-def run_unsloth(path: str, deadline: Deadline, log) -> dict:
+def run_unsloth(path: str, args, deadline: Deadline, log) -> dict:
     cap = deadline.left() - 5
     if cap < 60:
         return dict(error=f"skipped: {cap:.0f} s left")
-    cmd = [sys.executable, __file__, "--unsloth-worker", path, "--cap", str(cap)]
+    cmd = [sys.executable, __file__, "--unsloth-worker", path, "--cap", str(cap), "--leg-cap", str(args.leg_cap),
+           "--start-len", str(args.start_len)]
     try:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cap + 30, env=env)
@@ -304,7 +322,7 @@ def run_unsloth(path: str, deadline: Deadline, log) -> dict:
     return dict(error=f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
 
 
-def unsloth_worker(path: str, cap: float) -> None:
+def unsloth_worker(path: str, cap: float, leg_cap: float, start: int) -> None:
     from unsloth import FastLanguageModel
 
     deadline = Deadline(cap)
@@ -313,19 +331,20 @@ def unsloth_worker(path: str, cap: float) -> None:
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
                                              target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth")
     model.train()
-    result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"]), deadline.left() - 5, deadline,
-                    lambda m: print(m, flush=True))
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    log(f"    (Unsloth loaded in {cap - deadline.left():.0f} s)")
+    result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"]), leg_cap, deadline, log, start)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 # --- (b) and (c) ----------------------------------------------------------------------------------
 
-def throughput(model, mode, kernels: bool, steps: int = 3, **kw) -> dict:
+def throughput(model, mode, kernels: bool, shape: tuple[int, int], steps: int = 3, **kw) -> dict:
     from fasttune.model_patches import patch_model
     from fasttune.model_patches.checkpointing import layer_checkpointing
 
     patch_model(model, fast_config(mode, kernels, **kw))
-    ids = torch.randint(0, LLAMA_8B["vocab_size"], (4, 2048), device="cuda")
+    ids = torch.randint(0, LLAMA_8B["vocab_size"], shape, device="cuda")
     release(model)
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up: pinned buffers, auto's measurement
     model.zero_grad(set_to_none=True)
@@ -351,6 +370,7 @@ def part_bc(args, parts: set, log) -> dict:
     from fasttune.model_patches import unpatch_model
 
     kernels = args.kernels == "on"
+    shape = tuple(int(x) for x in args.shape.lower().split("x"))
     model = build_model(nf4=False)
     log(f"  (b/c) bf16 LoRA 8B built: {torch.cuda.memory_allocated() / GIB:.1f} GiB on the GPU")
     rows = {}
@@ -358,7 +378,7 @@ def part_bc(args, parts: set, log) -> dict:
         if mode is None or mode == "offload":
             if "c" not in parts:
                 continue
-        rows[str(mode)] = throughput(model, mode, kernels)
+        rows[str(mode)] = throughput(model, mode, kernels, shape)
         log(f"    {rows[str(mode)]}")
     if "b" in parts:
         total = torch.cuda.mem_get_info()[1]
@@ -366,7 +386,7 @@ def part_bc(args, parts: set, log) -> dict:
         release(model)
         torch.cuda.set_per_process_memory_fraction(min(1.0, 80 * GIB / total))
         try:
-            rows["auto_80GiB"] = throughput(model, "auto", kernels)
+            rows["auto_80GiB"] = throughput(model, "auto", kernels, shape)
         except torch.OutOfMemoryError:
             rows["auto_80GiB"] = dict(mode="auto", error="OOM inside 80 GiB")
         finally:
@@ -400,8 +420,9 @@ def markdown(results: dict) -> str:
                          f"| {r.get('gpu_gib_per_1k', '-')} | {r.get('pinned_gib_per_1k', '-')} |")
         lines.append("")
     if "bc" in results:
-        lines += ["### (b)/(c) bf16 LoRA r=16 step, 4×2048 tokens, Llama-3.1-8B shape", "",
-                  "| checkpointing | ms/step | tokens/s | vs recompute | peak GiB | note |", "|---|---|---|---|---|---|"]
+        lines += [f"### (b)/(c) bf16 LoRA r=16 step, {results['shape']} tokens, Llama-3.1-8B shape", "",
+                  "| checkpointing | ms/step | tokens/s | vs recompute | peak GiB | note |",
+                  "|---|---|---|---|---|---|"]
         for name, r in results["bc"].items():
             if "error" in r:
                 lines.append(f"| {name} | | | | | {r['error']} |")
@@ -420,11 +441,15 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", choices=("on", "off"), default="on",
                         help="fasttune's Triton kernels with the checkpointing ('off': checkpointing alone)")
     parser.add_argument("--deadline", type=float, default=340.0, help="seconds for the whole run")
+    parser.add_argument("--leg-cap", type=float, default=125.0,
+                        help="(a): seconds of attempts per stack (Hugging Face: at most 80)")
+    parser.add_argument("--start-len", type=int, default=START_LEN, help="(a): first length tried")
+    parser.add_argument("--shape", default="4x2048", help="(b)/(c): batch x sequence of the step")
     parser.add_argument("--unsloth-worker", help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.unsloth_worker:
-        return unsloth_worker(args.unsloth_worker, args.cap)
+        return unsloth_worker(args.unsloth_worker, args.cap, args.leg_cap, args.start_len)
     if not torch.cuda.is_available():
         raise SystemExit("bench_context.py needs a CUDA GPU")
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
@@ -439,7 +464,8 @@ def main(argv=None) -> None:
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": args.kernels}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": args.kernels,
+               "shape": args.shape}
     if parts & {"b", "c"}:
         results["bc"] = part_bc(args, parts, log)
     if "a" in parts:

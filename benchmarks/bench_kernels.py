@@ -17,7 +17,8 @@ measured in the same run (a 4 GiB copy, bytes read + written). Bytes that must m
             dgate, dup → 8·N·I elements.
 
 Usage (H200 machine):  python benchmarks/bench_kernels.py [--ops rms_norm,rope] [--no-compile]
-[--out results.json]. Prints a markdown table.
+[--out results.json] [--tune]. Prints a markdown table; --tune adds a sweep of the RMSNorm
+backward's launch knobs (module constants of fasttune/kernels/rms_norm.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fasttune.kernels import apply_rope, geglu, rms_norm, swiglu  # noqa: E402
+from fasttune.kernels.rms_norm import rms_norm  # noqa: E402
+from fasttune.kernels.rope import apply_rope  # noqa: E402
+from fasttune.kernels.swiglu import geglu, swiglu  # noqa: E402
 
 DT = torch.bfloat16
 N, H, INTER = 16384, 4096, 14336
@@ -90,8 +93,13 @@ def _liger():
 # --- cases: inputs, one fwd+bwd step per implementation, bytes ------------------------------
 
 
+_GEN = torch.Generator().manual_seed(0)
+
+
 def _randn(*shape, scale=1.0):
-    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(DT)
+    # Drawn on the host: a failed graph capture leaves the CUDA generator in capture mode
+    # ("Offset increment outside graph capture"), which must not take the later cases down.
+    return (torch.randn(*shape, generator=_GEN, dtype=torch.float32) * scale).to(device="cuda", dtype=DT)
 
 
 def case_rms_norm():
@@ -187,15 +195,22 @@ def _profiler_time_ms(fn, reps):
     return total_us / reps / 1e3
 
 
+_CAPTURE_BROKEN = False
+
+
 def gpu_time_ms(fn, reps=20):
-    """(median ms per call, method)."""
-    try:
-        return _graph_time_ms(fn, reps), "graph"
-    except Exception as e:  # e.g. a capture-unsafe step
-        print(f"  CUDA graph capture failed ({type(e).__name__}: {str(e)[:120]}); using the profiler",
-              file=sys.stderr)
-        torch.cuda.synchronize()
-        return _profiler_time_ms(fn, reps), "profiler"
+    """(median ms per call, method). After one failed capture the rest use the profiler: an
+    invalidated capture poisons later captures in the same process (seen on the H200)."""
+    global _CAPTURE_BROKEN
+    if not _CAPTURE_BROKEN:
+        try:
+            return _graph_time_ms(fn, reps), "graph"
+        except Exception as e:  # e.g. a capture-unsafe step
+            _CAPTURE_BROKEN = True
+            print(f"  CUDA graph capture failed ({type(e).__name__}: {str(e)[:120]}); profiler from here on",
+                  file=sys.stderr)
+    torch.cuda.synchronize()
+    return _profiler_time_ms(fn, reps), "profiler"
 
 
 def copy_bandwidth():
@@ -217,12 +232,34 @@ def copy_bandwidth():
     return 2 * (4 << 30) / (statistics.median(times) * 1e-3)
 
 
+def tune_rms_norm_bwd(bw, reps):
+    """Sweep the RMSNorm backward's launch knobs at [N, H] (dx and dw; reads x, dy, writes dx)."""
+    import fasttune.kernels.rms_norm as mod
+
+    x, w, dy = _randn(N, H), _randn(H), _randn(N, H)
+    _, _, rstd = mod._fwd(x, None, w, EPS, 0.0, "llama")
+    saved = mod._BWD_TILE, mod._BWD_PROGRAMS_PER_SM, mod._num_warps
+    print("\n| _BWD_TILE | _BWD_PROGRAMS_PER_SM | num_warps | bwd ms | share of copy |\n|---|---|---|---|---|")
+    try:
+        for tile in (4096, 8192):
+            for ppsm in (1, 2, 3, 4, 8):
+                for warps in (4, 8, 16):
+                    mod._BWD_TILE, mod._BWD_PROGRAMS_PER_SM = tile, ppsm
+                    mod._num_warps = lambda elements, w_=warps: w_
+                    ms, _ = gpu_time_ms(lambda: mod._bwd(dy, None, x, w, rstd, 0.0, "llama", True, True), reps)
+                    print(f"| {tile} | {ppsm} | {warps} | {ms:.4f} | {100 * 3 * N * H * 2 / (ms * 1e-3) / bw:.1f}% |",
+                          flush=True)
+    finally:
+        mod._BWD_TILE, mod._BWD_PROGRAMS_PER_SM, mod._num_warps = saved
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ops", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--tune", action="store_true", help="also sweep the RMSNorm backward launch knobs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -260,6 +297,8 @@ def main(argv=None):
     print(f"\nshare = bytes that must move / time / measured copy rate ({bw / 1e12:.2f} TB/s)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.tune:
+        tune_rms_norm_bwd(bw, args.reps)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   echo "building llama-cpp-python (once, ~5 min)..."
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" \
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir llama-cpp-python==0.3.36
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt llama-cpp-python==0.3.36
 fi
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then sudo_cmd=""; elif command -v sudo >/dev/null 2>&1; then sudo_cmd="sudo"; else sudo_cmd="none"; fi

@@ -31,9 +31,23 @@ class FastPatchCallback(TrainerCallback):
         if model is None:
             logger.warning("fasttune: FastPatchCallback got no model at on_init_end; nothing patched")
             return control
+        # Same mapping as FastTrainer: the Trainer's checkpointing flag becomes fasttune's
+        # checkpointer; train() has not run yet, so clearing the flag stops HF wrapping layers too.
+        from .trainer import resolve_checkpointing
+
+        self.config = resolve_checkpointing(args, self.config)
         self.report = patch_model(model, self.config)
         if state.is_world_process_zero:
             log_report(self.report)
+        return control
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # A model that arrived with HF's checkpointing switched on: take its layers back.
+        from ..model_patches.checkpointing import layer_checkpointing
+
+        ckpt = layer_checkpointing(model) if model is not None else None
+        if ckpt is not None:
+            ckpt.reclaim()
         return control
 
 

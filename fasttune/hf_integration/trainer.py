@@ -8,7 +8,7 @@ import logging
 from transformers import Trainer
 
 from ..config import FastConfig
-from ..model_patches import patch_model
+from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
 from .callback import log_report
 from .throughput import ThroughputMeter
@@ -34,40 +34,27 @@ def resolve_checkpointing(args, config: FastConfig) -> FastConfig:
     return config
 
 
-class FastTrainer(Trainer):
-    """A ``transformers.Trainer`` whose model runs on fasttune's kernels.
+class FastTrainerMixin:
+    """What makes a Trainer (transformers' or TRL's) a fasttune trainer; mixed in before the
+    Trainer class. Subclasses call ``_fast_before_init`` before and ``_fast_after_init`` after
+    the Trainer's ``__init__``."""
 
-    In ``__init__`` the model instance is patched (``patch_model``); the causal-LM loss is then
-    the fused linear cross-entropy (``num_items_in_batch`` honoured, so gradient accumulation over
-    micro-batches of different lengths gives the full-batch gradient), label smoothing included.
-    Each log line gains ``tokens_per_second`` and ``peak_memory_gib``. At the end of ``train()``
-    the artifacts in ``fast_config.export_artifacts`` are saved and, with ``push_to_hub``, pushed.
+    fast_config: FastConfig
 
-    Args:
-        *args: as for ``transformers.Trainer``.
-        fast_config: fasttune options; ``FastConfig()`` when None.
-        **kwargs: as for ``transformers.Trainer``.
-    """
-
-    def __init__(self, *args, fast_config: FastConfig | None = None, **kwargs):
-        config = fast_config or FastConfig()
+    def _fast_before_init(self, args, kwargs, fast_config: FastConfig | None) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        self.fast_config = resolve_checkpointing(training_args, config)
-        super().__init__(*args, **kwargs)
+        self.fast_config = resolve_checkpointing(training_args, fast_config or FastConfig())
+
+    def _fast_after_init(self) -> None:
         self.patch_report = patch_model(self.model, self.fast_config)
         if self.is_world_process_zero():
             log_report(self.patch_report)
-        head = head_forward(self._causal_lm())
-        if head is not None and self.label_smoother is not None:
+        head = head_forward(find_causal_lm(self.model))
+        if head is not None and getattr(self, "label_smoother", None) is not None:
             # Same math as HF's LabelSmoother, inside the fused kernel: the logits stay unmaterialised.
             head.label_smoothing = float(self.label_smoother.epsilon)
             self.label_smoother = None
         self._throughput = ThroughputMeter()
-
-    def _causal_lm(self):
-        from ..model_patches import find_causal_lm
-
-        return find_causal_lm(self.model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.fast_config.log_throughput:
@@ -87,3 +74,26 @@ class FastTrainer(Trainer):
 
             export_after_training(self, cfg)
         return output
+
+
+class FastTrainer(FastTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` whose model runs on fasttune's kernels.
+
+    In ``__init__`` the model instance is patched (``patch_model``); the causal-LM loss is then
+    the fused linear cross-entropy (``num_items_in_batch`` honoured, so gradient accumulation over
+    micro-batches of different lengths gives the full-batch gradient), label smoothing included.
+    The Trainer's activation/gradient checkpointing flag becomes fasttune's offloaded
+    checkpointer. Each log line gains ``tokens_per_second`` and ``peak_memory_gib``. At the end of
+    ``train()`` the artifacts in ``fast_config.export_artifacts`` are saved and, with
+    ``push_to_hub``, pushed (main process only).
+
+    Args:
+        *args: as for ``transformers.Trainer``.
+        fast_config: fasttune options; ``FastConfig()`` when None.
+        **kwargs: as for ``transformers.Trainer``.
+    """
+
+    def __init__(self, *args, fast_config: FastConfig | None = None, **kwargs):
+        self._fast_before_init(args, kwargs, fast_config)
+        super().__init__(*args, **kwargs)
+        self._fast_after_init()

@@ -119,6 +119,24 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_load_rows(DY, DS, X, RSTD, rb, n_rows, offs, col_mask, stride_dy, stride_ds, stride_x,
+                   BLOCK_ROWS: tl.constexpr, HAS_DS: tl.constexpr):
+    """Raw (not yet upcast) tiles of row block rb; rows past the end load nothing."""
+    rows = rb * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + offs[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if HAS_DS:
+        ds = tl.load(DS + rows[:, None] * stride_ds + offs[None, :], mask=mask, other=0.0)
+    else:
+        ds = x  # placeholder, unused
+    return x, dy, ds, rstd
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     DY, DS, X, W, RSTD, DX, DW_PART,
     n_rows, n_cols, offset,
@@ -126,28 +144,37 @@ def _rms_norm_bwd_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
     COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
 ):
-    """Whole rows in registers; program p takes row blocks p, p + P, ... and writes DW_PART[p]."""
+    """Whole rows in registers; program p takes row blocks p, p + P, ... and writes DW_PART[p].
+
+    The next block's loads are issued before the current block's math (software pipelining by
+    hand), so each program keeps memory requests in flight while it reduces and stores.
+    """
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_H)
     col_mask = offs < n_cols
     w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
+    x_n, dy_n, ds_n, rstd_n = _bwd_load_rows(DY, DS, X, RSTD, pid, n_rows, offs, col_mask,
+                                             stride_dy, stride_ds, stride_x, BLOCK_ROWS, HAS_DS)
     for rb in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), n_progs):
+        x = x_n.to(tl.float32)
+        dy = dy_n.to(tl.float32)
+        ds = ds_n
+        rstd = rstd_n
+        x_n, dy_n, ds_n, rstd_n = _bwd_load_rows(DY, DS, X, RSTD, rb + n_progs, n_rows, offs, col_mask,
+                                                 stride_dy, stride_ds, stride_x, BLOCK_ROWS, HAS_DS)
         rows = rb * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
         if COMPUTE_DX:
             g = dy * w[None, :]
             c = tl.sum(g * xhat, axis=1) / n_cols
             dx = (g - xhat * c[:, None]) * rstd[:, None]
             if HAS_DS:
-                dx += tl.load(DS + rows[:, None] * stride_ds + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+                dx += ds.to(tl.float32)
             tl.store(DX + rows[:, None] * stride_dx + offs[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if LLAMA:
@@ -233,7 +260,7 @@ def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: int)
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         return max(1, min(n_row_blocks, sms * programs_per_sm))
-    return max(1, min(n_row_blocks, 4))  # interpreter: a few programs, each looping over rows
+    return max(1, min(n_row_blocks, 2))  # interpreter: two programs, each looping over rows
 
 
 def _fwd(x, residual, weight, eps, offset, casting):

@@ -254,7 +254,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q: [B, Hq, S, Dh], any strides (typically a transposed view of [B, S, Hq, Dh]).
         k: [B, Hk, S, Dh], any strides; Hq need not equal Hk.
         cos, sin: [B, S, Dr] or [1, S, Dr] per token, or [P, Dr] tables with ``position_ids``;
-            Dr ≤ Dh, even. Treated as constants (no gradient).
+            Dr ≤ Dh, even. Constants for the kernel; if they require grad, the plain-PyTorch
+            reference runs instead (out of place) so that they get one.
         position_ids: optional [B, S] (or [1, S]) int positions into the tables.
         inplace: overwrite q and k where that is safe (see the module docstring); False always
             returns new tensors and leaves q, k untouched.
@@ -264,7 +265,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         pre-rotation q, k afterwards.
     """
     _check(q, k, cos, sin, position_ids)
-    if (not use_triton(q, k, cos, sin, position_ids) or cos.requires_grad or sin.requires_grad):
+    if not use_triton(q, k, cos, sin, position_ids) or cos.requires_grad or sin.requires_grad:
         return reference.apply_rope(q, k, cos, sin, position_ids)
     inplace = bool(inplace) and _may_overwrite(q) and _may_overwrite(k)
     return RopeFunction.apply(q, k, cos, sin, position_ids, inplace)

@@ -11,7 +11,9 @@ come from ``FamilySpec.attention_kwargs``.
 Hooks for fused LoRA (replace the attributes of an installed forward):
     ``project_qkv(module, hidden_states) -> (q, k, v)``, each [..., heads*head_dim];
     ``project_o(module, attn_output) -> Tensor``. The defaults call the module's own projection
-    submodules, so PEFT LoRA and bitsandbytes layers keep working.
+    submodules, so PEFT LoRA and bitsandbytes layers keep working. The RoPE kernel rotates q and
+    k in place (bumping their version counters): a hook's autograd Function must not save the q/k
+    it returns for its backward (it would fail loudly), and should not return views of its inputs.
 
 Works with transformers 5.17 (``past_key_values``, ``cache.update(k, v, layer_idx)``) and 5.24
 (``cache``, ``cache.update(k, v, layer_idx, kwargs=kwargs)``): the variant is read off the stock
@@ -128,7 +130,7 @@ class FastAttentionForward(PatchedForward):
         q, k, v = self.project_qkv(m, hidden_states)
         if self.qk_norm == "full":  # OLMo2: over the whole projection, before the head split
             q, k = m.q_norm(q), m.k_norm(k)
-        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+        q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)  # views for stock
         if self.qk_norm == "head":  # Qwen3 / Gemma 3: over each head (same math before the transpose)
             q, k = m.q_norm(q), m.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -239,7 +241,8 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
         if layer_cls is not None and type(module) is layer_cls:
             child = getattr(module, ATTENTION_ATTR, None)
             if child is not None and type(child) is not attn_cls:
-                report.fallback(op, f"{name}.{ATTENTION_ATTR}", f"is {type(child).__name__}, not {spec.attention_class}")
+                report.fallback(op, f"{name}.{ATTENTION_ATTR}",
+                                f"is {type(child).__name__}, not {spec.attention_class}")
         if type(module) is not attn_cls:
             continue
         reason = check_attention(module, spec, use_rope_kernel=config.rope)

@@ -30,9 +30,10 @@ CUDA and no budget nothing is kept resident. Because the decision is taken again
 memory that appears later (optimizer states after the first step) shrinks ``k`` automatically.
 Each new decision is logged, e.g. "auto: 20/32 layers resident, 12 offloaded (...)".
 
-Hugging Face's own checkpointing is never stacked on top: a layer whose ``gradient_checkpointing``
-flag is on has it turned off (at install, and again if something turns it back on later, with a
-warning); undo restores it. Like HF, a checkpointed layer gets ``cache=None``/``use_cache=False``
+Hugging Face's own checkpointing is never stacked on top: every module whose
+``gradient_checkpointing`` flag is on has it turned off at install (``LayerCheckpointing.reclaim``),
+a decoder layer found with it on again at a later forward is turned off with a warning; undo
+restores the flags. Like HF, a checkpointed layer gets ``cache=None``/``use_cache=False``
 unless its class declares ``_can_checkpoint_with_cache``.
 """
 
@@ -200,6 +201,7 @@ class LayerCheckpointing:
 
     def __init__(self, mode: str, base: nn.Module, n_layers: int, config: FastConfig, head_fused: bool):
         self.mode = mode
+        self.base = base
         self.n_layers = n_layers
         self.checkpointer = OffloadedCheckpointer() if mode in ("offload", "auto") else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
@@ -213,19 +215,35 @@ class LayerCheckpointing:
         return self.policy.decision if self.policy is not None else None
 
     def how(self, index: int) -> str:
+        """How layer ``index`` runs in the current forward: "resident", "recompute" or "offload"."""
         if self.mode == "recompute":
             return RECOMPUTE
         if self.mode == "offload":
             return OFFLOAD
         return RESIDENT if index < self.resident else OFFLOAD
 
-    def silence_hf(self, layer: nn.Module, at_install: bool) -> None:
-        """Turn off HF's checkpointing flag on ``layer`` (restored by ``close``)."""
-        if not layer.__dict__.get("gradient_checkpointing", False):
+    def reclaim(self) -> int:
+        """Turn off HF's ``gradient_checkpointing`` flag on every module of the model; returns how many.
+
+        Done at install; call it again after something ran ``gradient_checkpointing_enable`` (e.g.
+        ``Trainer.train`` with ``gradient_checkpointing=True``) to skip the warning of the first forward.
+        With no flag left on, ``model.is_gradient_checkpointing`` is False, so TRL's
+        generation helpers do not toggle HF's checkpointing back on either.
+        """
+        n = 0
+        for module in self.base.modules():
+            if module.__dict__.get("gradient_checkpointing", False):
+                self.silence_hf(module, at_install=True)
+                n += 1
+        return n
+
+    def silence_hf(self, module: nn.Module, at_install: bool) -> None:
+        """Turn off HF's checkpointing flag on ``module`` (restored by ``close``); warn if not at install."""
+        if not module.__dict__.get("gradient_checkpointing", False):
             return
-        layer.gradient_checkpointing = False
-        if layer not in self._hf_flags:
-            self._hf_flags.append(layer)
+        module.gradient_checkpointing = False
+        if module not in self._hf_flags:
+            self._hf_flags.append(module)
         if not at_install and not self._warned:
             self._warned = True
             logger.warning("fasttune: Hugging Face gradient checkpointing was turned on after fasttune's %r "
@@ -234,8 +252,8 @@ class LayerCheckpointing:
 
     def close(self) -> None:
         """Undo: restore HF's flags, release host buffers."""
-        for layer in self._hf_flags:
-            layer.gradient_checkpointing = True
+        for module in self._hf_flags:
+            module.gradient_checkpointing = True
         self._hf_flags.clear()
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -372,8 +390,8 @@ def install_checkpointing(base: nn.Module, spec: FamilySpec, classes: dict, conf
     head_fused = report.patched.get("cross_entropy", 0) > 0
     state = LayerCheckpointing(mode, base, len(layers), config, head_fused)
     report.on_undo(state.close)
+    state.reclaim()
     for index, (module, stock) in enumerate(layers):
-        state.silence_hf(module, at_install=True)
         swap_forward(module, CheckpointedLayerForward(module, stock, index, state), report)
     base.__dict__[STATE_ATTR] = state
     report.on_undo(lambda: base.__dict__.pop(STATE_ATTR, None))

@@ -6,42 +6,33 @@ final-logit soft-cap, logit scaling). Without labels, in eval mode, or when the 
 logits, it runs the stock forward, so generation and evaluation are unchanged.
 
 It also answers TRL's fused-LM-head protocol (``model(..., labels=..., fused_lm_head=True)``, TRL
-≥ 1.16's SFT/DPO/GRPO/KTO/RLOO trainers): per-token log-probabilities, entropy and top-1 flags
-from the same kernel, in an output with the fields TRL reads.
+≥ 1.15's SFT/DPO/GRPO/KTO/RLOO trainers) with fasttune's kernels (``trl_head.py``), under the
+temperature and outputs TRL configured (``TrlHeadSettings``, set by ``configure_trl_head`` or
+``install_trl_head``). When TRL's own head sits below ours and nobody told us its settings, the
+call goes to TRL's head: its temperature is not knowable from here, and a guess could be wrong.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import ModelOutput
 
 from ..config import FastConfig
 from ..kernels.cross_entropy import fused_linear_cross_entropy
-from .families import FamilySpec
+from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
 from .report import PatchReport
+from .trl_head import FusedLMHeadOutput, TrlHeadSettings, fused_lm_head_fields, provides_fused_head
+
+logger = logging.getLogger("fasttune")
 
 IGNORE_INDEX = -100
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # others (float64) take the stock path
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-@dataclass
-class FusedLMHeadOutput(ModelOutput):
-    """The fields TRL's trainers read from ``model(..., fused_lm_head=True)``; per-token fields
-    are [batch, seq-1] (or [batch, seq] with ``shift_labels``) and zero where the label is ignored."""
-
-    loss: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    log_sum_sq_probs: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    label_mask: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -62,20 +53,27 @@ class FusedLossCausalLMForward(PatchedForward):
     """Replacement ``forward`` of a ``*ForCausalLM`` instance (see module docstring)."""
 
     op = "cross_entropy"
+    answers_fused_lm_head = True
 
     def __init__(self, module: nn.Module, stock, extras: HeadExtras, config: FastConfig):
         super().__init__(module, stock)
         self.extras = extras
         self.workspace_mib = config.loss_workspace_mib
         self.return_logits = config.return_logits
+        self.fused_logprobs = config.fused_logprobs
         # Set by FastTrainer from TrainingArguments.label_smoothing_factor (same math as HF's LabelSmoother).
         self.label_smoothing = 0.0
+        # What TRL configured its fused head with; None: unknown (see _answers_fused).
+        self.trl_settings: TrlHeadSettings | None = None
+        self._warned_delegation = False
 
     # -- helpers ------------------------------------------------------------------------------
     def _head_params(self):
         head = self.module.get_output_embeddings()
         if type(head) is not nn.Linear:
             return None  # a LoRA-wrapped or quantised lm_head: stock path
+        if type(head.weight.data) is not torch.Tensor:
+            return None  # a sharded (DTensor) weight: the stock path gathers it
         return head.weight, head.bias
 
     def _backbone(self, args, kwargs):
@@ -83,7 +81,7 @@ class FusedLossCausalLMForward(PatchedForward):
         out = backbone(*args, **kwargs)
         return out, (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
 
-    def _flat_inputs(self, hidden, labels, shift_labels, weight):
+    def _flat_inputs(self, hidden, labels, shift_labels, weight, fp32=False):
         if shift_labels is None:
             # HF's shift: pad the labels with one ignored position instead of slicing the hidden states.
             labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -93,8 +91,10 @@ class FusedLossCausalLMForward(PatchedForward):
         if h.device != weight.device:
             h = h.to(weight.device)
         y = labels.reshape(-1).to(h.device)
+        if fp32:
+            h, weight = h.float(), weight.float()
         # Match the stock lm_head under autocast: its matmul runs in the autocast dtype.
-        if torch.is_autocast_enabled(h.device.type):
+        elif torch.is_autocast_enabled(h.device.type):
             dt = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dt), weight.to(dt)
         elif h.dtype != weight.dtype:
@@ -113,11 +113,12 @@ class FusedLossCausalLMForward(PatchedForward):
                  fused_lm_head=False, **kwargs):
         params = self._head_params()
         has_labels = labels is not None or shift_labels is not None
-        if fused_lm_head and has_labels and params is not None:
+        if fused_lm_head and has_labels and self._answers_fused(params, kwargs):
             return self._trl_fused(args, kwargs, labels, shift_labels, num_items_in_batch, params)
         if fused_lm_head:
             kwargs["fused_lm_head"] = True  # let TRL's own head (if installed) answer
-        fused = (has_labels and params is not None and self.module.training and not self.return_logits
+        fused = (has_labels and params is not None and params[0].dtype in _KERNEL_DTYPES
+                 and self.module.training and not self.return_logits
                  and not fused_lm_head and kwargs.get("logits_to_keep", 0) in (0, None))
         if not fused:
             return self._call_stock(args, kwargs, labels, shift_labels, num_items_in_batch)
@@ -137,25 +138,37 @@ class FusedLossCausalLMForward(PatchedForward):
         setattr(result, _CACHE_FIELD, getattr(outputs, _CACHE_FIELD, None))
         return result
 
+    # -- TRL's fused-LM-head protocol ----------------------------------------------------------
+    def _answers_fused(self, params, kwargs) -> bool:
+        if (params is None or params[0].dtype not in _KERNEL_DTYPES or not self.fused_logprobs
+                or kwargs.get("output_router_logits")):
+            return False  # MoE aux loss, wrapped head, float64 or option off: TRL's head (if any) answers
+        if self.trl_settings is not None or not provides_fused_head(self.stock):
+            return True  # configured, or nobody configured another temperature: TRL's defaults
+        if not self._warned_delegation:
+            self._warned_delegation = True
+            logger.warning("fasttune: TRL's own fused LM head answers fused_lm_head=True calls: its temperature "
+                           "and outputs are unknown here. Use FastSFTTrainer/FastDPOTrainer/FastGRPOTrainer or "
+                           "FastPatchCallback to serve them with fasttune's kernel.")
+        return False
+
     def _trl_fused(self, args, kwargs, labels, shift_labels, num_items_in_batch, params):
+        settings = self.trl_settings or TrlHeadSettings()
         kwargs.pop("logits_to_keep", None)
         kwargs["use_cache"] = False
-        outputs, hidden = self._backbone(args, kwargs)
+        _, hidden = self._backbone(args, kwargs)
         weight, bias = params
-        h, y, weight, shape = self._flat_inputs(hidden, labels, shift_labels, weight)
-        per_token, stats = fused_linear_cross_entropy(
-            h, weight, y, bias, ignore_index=IGNORE_INDEX, reduction="none", softcap=self.extras.softcap,
-            logit_scale=self.extras.logit_scale, return_stats=True, workspace_mib=self.workspace_mib,
-        )
+        h, y, weight, shape = self._flat_inputs(hidden, labels, shift_labels, weight, fp32=settings.fp32_head)
+        if bias is not None:
+            bias = bias.to(weight.dtype)
+        fields = fused_lm_head_fields(h, y, weight, bias, settings, softcap=self.extras.softcap,
+                                      logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib)
         # TRL's per-token fields cover the seq-1 predicted positions (the padded last one is dropped).
         keep = slice(None, -1) if shift_labels is None else slice(None)
+        per_token = {k: None if v is None else v.view(shape)[..., keep] for k, v in fields.items()}
         mask = (y != IGNORE_INDEX).view(shape)[..., keep]
-        log_probs = -per_token.view(shape)[..., keep]
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedLMHeadOutput(
-            loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=stats["entropy"].view(shape)[..., keep],
-            is_top1=stats["correct"].view(shape)[..., keep], label_mask=mask,
-        )
+        return FusedLMHeadOutput(loss=-per_token["log_probs"].sum() / denom, label_mask=mask, **per_token)
 
 
 def patch_head(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
@@ -188,4 +201,35 @@ def head_forward(model: nn.Module) -> FusedLossCausalLMForward | None:
     return fwd if isinstance(fwd, FusedLossCausalLMForward) else None
 
 
-__all__ = ["FusedLMHeadOutput", "FusedLossCausalLMForward", "HeadExtras", "patch_head", "head_forward"]
+def configure_trl_head(base: nn.Module, settings: TrlHeadSettings | None) -> bool:
+    """Tell the fused-loss forward of ``base`` (a ``*ForCausalLM``) what TRL configured its head
+    with. False when fasttune's head is not the outermost forward of ``base``."""
+    head = head_forward(base)
+    if head is None:
+        return False
+    head.trl_settings = settings
+    return True
+
+
+def install_trl_head(base: nn.Module, settings: TrlHeadSettings, config: FastConfig, report: PatchReport) -> bool:
+    """Put fasttune's head back on top after TRL wrapped it (TRL adds its fused head after a
+    callback's ``on_init_end``): a new fused-loss forward over TRL's, configured with ``settings``,
+    its undo registered on ``report``. Only where ``patch_model`` had installed the head.
+
+    Returns:
+        True when fasttune's head answers ``fused_lm_head=True`` calls of ``base`` afterwards.
+    """
+    if configure_trl_head(base, settings):
+        return True
+    current = base.__dict__.get("forward")
+    spec = family_for(getattr(base.config, "model_type", None))
+    if spec is None or not report.patched["cross_entropy"] or not provides_fused_head(current):
+        return False
+    head = FusedLossCausalLMForward(base, current, HeadExtras.from_config(spec, base.config), config)
+    head.trl_settings = settings
+    swap_forward(base, head, report)
+    return True
+
+
+__all__ = ["FusedLMHeadOutput", "FusedLossCausalLMForward", "HeadExtras", "TrlHeadSettings", "configure_trl_head",
+           "head_forward", "install_trl_head", "patch_head"]

@@ -14,9 +14,6 @@ from torch import nn
 
 from .report import PatchReport
 
-_MISSING = object()
-
-
 class PatchedForward:
     """Base class of replacement forwards: holds the module and the forward it replaced."""
 
@@ -35,20 +32,27 @@ class PatchedForward:
         return f"<fasttune {type(self).__name__} of {type(self.module).__name__}>"
 
 
+class _UndoSwap:
+    """Restores one module's forward. An object, not a closure, so that ``copy.deepcopy`` of a
+    patched model maps module/patched/previous onto the copy (TRL deep-copies reference models)."""
+
+    def __init__(self, module: nn.Module, patched: PatchedForward, previous):
+        self.module, self.patched, self.previous = module, patched, previous  # previous None: class forward
+
+    def __call__(self) -> None:
+        if self.module.__dict__.get("forward") is not self.patched:
+            return  # something replaced our forward since; leave theirs alone
+        if self.previous is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.previous
+
+
 def swap_forward(module: nn.Module, patched: PatchedForward, report: PatchReport) -> None:
     """Install ``patched`` as ``module.forward`` and register its undo on ``report``."""
-    previous = module.__dict__.get("forward", _MISSING)
+    previous = module.__dict__.get("forward")
     module.forward = patched
-
-    def undo() -> None:
-        if module.__dict__.get("forward") is not patched:
-            return  # something replaced our forward since; leave theirs alone
-        if previous is _MISSING:
-            del module.forward
-        else:
-            module.forward = previous
-
-    report.on_undo(undo)
+    report.on_undo(_UndoSwap(module, patched, previous))
 
 
 def stock_forward(module: nn.Module):

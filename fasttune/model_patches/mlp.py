@@ -126,7 +126,8 @@ def check_mlp(module: nn.Module, spec: FamilySpec, activation: str | None, use_k
     if use_kernel:
         dtype = float_dtype(module)
         if dtype is not None and dtype not in KERNEL_DTYPES:
-            return f"parameters are {str(dtype).replace('torch.', '')}; the kernels take float32/float16/bfloat16", act_attr
+            name = str(dtype).replace("torch.", "")
+            return f"parameters are {name}; the kernels take float32/float16/bfloat16", act_attr
         if activation is None:
             return f"no activation in config.{' / config.'.join(spec.activation_attrs)}", act_attr
         kind = ACTIVATIONS.get(activation)

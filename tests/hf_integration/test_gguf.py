@@ -20,8 +20,7 @@ import gguf
 from fasttune.hf_integration import gguf as ft_gguf
 from fasttune.hf_integration.export import save_merged
 from fasttune.hf_integration.gguf import save_gguf
-from fasttune.hf_integration.gguf_tokenizer import _pre_tokenizer_name
-from helpers.tiny_tokenizers import bpe_tokenizer, sp_tokenizer
+from helpers.tiny_tokenizers import bpe_tokenizer, sp_model_bytes, sp_tokenizer
 
 try:
     import llama_cpp
@@ -53,10 +52,11 @@ def _tokenizer(kind):
     return sp_tokenizer() if kind == "sp" else bpe_tokenizer()
 
 
-def _model(family):
+def _model(family, **overrides):
     """A tiny random LoRA model of ``family`` (random B so the merge matters, random norms)."""
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **DIMS, tie_word_embeddings=family in TIED, **EXTRA.get(family, {}))
+    kwargs = {**DIMS, "tie_word_embeddings": family in TIED, **EXTRA.get(family, {}), **overrides}
+    cfg = AutoConfig.for_model(family, **kwargs)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -204,7 +204,40 @@ def test_llama_cpp_logits_match(family, exported):
         got = np.asarray(llm.scores[:SEQ])
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err <= {"f16": 1e-2, "q8_0": 5e-2}[quant], (family, quant, err)
-        del llm
+        llm.close()
+
+
+ROPE_CASES = {
+    "llama-llama3": ("llama", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama-linear": ("llama", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32}),
+    "gemma3-linear-global": ("gemma3_text", {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "phi3-partial": ("phi3", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_llama_cpp_rope_scaling(case, tmp_path):
+    """RoPE variants (llama3 frequency factors, linear, YaRN, Gemma 3 global-only scaling, partial rotary)
+    over 40 positions, so the scaled frequencies matter."""
+    family, rope = ROPE_CASES[case]
+    extra = {"sliding_window": 8} if family == "gemma3_text" else {}
+    model = _model(family, rope_parameters=rope, **extra)
+    path = save_gguf(model, _tokenizer("bpe"), tmp_path, ["f16"])[0]
+    if rope.get("rope_type") == "llama3":
+        assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits[0].float().numpy()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids[0].tolist())
+    got = np.asarray(llm.scores[:40])
+    llm.close()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-2
 
 
 @needs_llama_cpp
@@ -225,9 +258,31 @@ def test_llama_cpp_tokenizer_parity(kind, exported, tmp_path):
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok(text, add_special_tokens=False)["input_ids"]
     assert llm.token_eos() == tok.eos_token_id and llm.token_bos() == tok.bos_token_id
     if kind == "sp-prefix":
+        llm.close()
         return  # after special tokens llama.cpp prefixes a space again (transformers' legacy=True behaviour)
     chat = tok.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False, add_generation_prompt=True)
     assert llm.tokenize(chat.encode(), add_bos=False, special=True) == tok(chat, add_special_tokens=False)["input_ids"]
+    llm.close()
+
+
+def test_sentencepiece_scores_from_model_file(exported, tmp_path):
+    """A tokenizer that still has its SentencePiece model file gets the model's own scores."""
+    import sentencepiece as spm
+
+    tok = sp_tokenizer()
+    (tmp_path / "tokenizer.model").write_bytes(sp_model_bytes())
+    tok.vocab_file = str(tmp_path / "tokenizer.model")
+    path = save_gguf(exported("gemma")[0], tok, tmp_path / "out", "f16")[0]
+    scores = _field(gguf.GGUFReader(path), "tokenizer.ggml.scores")
+    sp = spm.SentencePieceProcessor(model_proto=sp_model_bytes())
+    normal = [i for i in range(sp.get_piece_size()) if not (sp.is_control(i) or sp.is_byte(i) or sp.is_unknown(i))
+              and not sp.id_to_piece(i).startswith("<")]
+    assert [scores[i] for i in normal] == pytest.approx([sp.get_score(i) for i in normal])
+    without = gguf.GGUFReader(exported("gemma")[2]["f16"])  # merge-rank scores: same order of merges
+    merged_pieces = [i for i in normal if len(sp.id_to_piece(i)) > 1]
+    rank = _field(without, "tokenizer.ggml.scores")
+    assert np.argsort([-scores[i] for i in merged_pieces], kind="stable").tolist() == \
+        np.argsort([-rank[i] for i in merged_pieces], kind="stable").tolist()
 
 
 @needs_llama_cpp
@@ -249,7 +304,7 @@ def test_kquants_through_llama_cpp(exported, tmp_path):
         llm.eval(ids)
         got = np.asarray(llm.scores[:SEQ])
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < logit_tol, path.name
-        del llm
+        llm.close()
 
 
 def test_from_saved_folder_equals_from_model(exported, tmp_path):
@@ -306,19 +361,3 @@ def test_bad_inputs(exported, tmp_path):
         untied.lm_head.weight.normal_()
     with pytest.raises(ValueError, match="separate lm_head"):
         save_gguf(untied, _tokenizer("sp"), tmp_path)
-
-
-@pytest.mark.parametrize("pre, name", [
-    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt-2"),
-    ({"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}, "llama-bpe"),
-    ({"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}, "qwen2"),
-    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
-                                            {"type": "ByteLevel", "use_regex": True}]}, "refact"),
-    ({"type": "Whitespace"}, "default"),
-])
-def test_pre_tokenizer_recognition(pre, name):
-    assert _pre_tokenizer_name(pre) == name

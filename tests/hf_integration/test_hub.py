@@ -1,4 +1,4 @@
-"""Hub uploads against a loopback Hub (tests/helpers/hub_server.py) with injected faults.
+"""Hub uploads against a loopback Hub (tests/_lib/helpers/hub_server.py) with injected faults.
 
 huggingface_hub reads HF_ENDPOINT when it is imported, so each push runs in a subprocess: this
 file, executed as a script with a scenario name (see the bottom). The parent starts the server,
@@ -29,7 +29,7 @@ def _run(server, scenario: str, tmp_path: Path, timeout: int = 300) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env.update(HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf_home"),
                HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]))
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "_lib")]))
     proc = subprocess.run([sys.executable, __file__, scenario, str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=timeout)
     log = proc.stdout + proc.stderr

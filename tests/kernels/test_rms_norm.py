@@ -8,8 +8,8 @@ interpreter's truncating fp32→bf16 casts and single-rounding ties where torch 
 import pytest
 import torch
 
+import fasttune.kernels.rms_norm as rms_mod
 from fasttune.kernels import reference
-from fasttune.kernels import rms_norm as rms_mod
 from fasttune.kernels.rms_norm import rms_norm, rms_norm_add
 
 EPS = 1e-6
@@ -32,7 +32,8 @@ def check(out, ref64, same, lowp, name, ulps=1, mag=None):
         mag = ref64.abs() if mag is None else mag
         bound = 2 * (same.detach().double() - ref64).abs() + ulps * eps * mag + 1e-3 * eps * scale
     bad = err > bound
-    assert not bad.any(), f"{name}: {int(bad.sum())}/{bad.numel()} off, worst {err.max().item():.3g} (scale {scale:.3g})"
+    worst = err.max().item()
+    assert not bad.any(), f"{name}: {int(bad.sum())}/{bad.numel()} off, worst {worst:.3g} (scale {scale:.3g})"
 
 
 def run_norm(fn, x, weight, dy, residual=None, ds=None, **kw):
@@ -162,9 +163,9 @@ def test_wide_rows_chunked_path(device, casting, monkeypatch):
     monkeypatch.setattr(rms_mod, "_MAX_FWD_BLOCK", 64)
     monkeypatch.setattr(rms_mod, "_MAX_BWD_BLOCK", 64)
     monkeypatch.setattr(rms_mod, "_CHUNK", 64)
-    x, w, dy = inputs((23, 200), torch.bfloat16, torch.float32, device)
+    x, w, dy = inputs((11, 200), torch.bfloat16, torch.float32, device)
     compare(x, w, dy, offset=1.0, casting=casting)
-    res, _, ds = inputs((23, 200), torch.bfloat16, torch.float32, device, seed=2)
+    res, _, ds = inputs((11, 200), torch.bfloat16, torch.float32, device, seed=2)
     compare(x, w, dy, residual=res, ds=ds, casting=casting)
     compare(x.float(), w.detach(), dy, residual=res.float(), ds=ds, casting=casting)
 

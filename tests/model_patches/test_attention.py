@@ -27,7 +27,7 @@ HOOK_ONLY = FastConfig(rms_norm=False, rope=False, mlp=False, cross_entropy=Fals
 
 
 def _attention_forwards(model):
-    return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), FastAttentionForward)]
+    return [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), FastAttentionForward)]
 
 
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
@@ -200,3 +200,29 @@ def test_forward_signature_is_the_stock_one():
     report = PatchReport("llama")
     patch_attention(attn, FAMILIES["llama"], resolve_classes(FAMILIES["llama"]), FastConfig(), report)
     assert report.patched["rope"] == 1 and inspect.signature(attn.forward) == stock_sig
+
+
+def test_cache_update_follows_the_stock_api():
+    """5.24's forward takes ``cache`` and passes its kwargs to update; 5.17's takes
+    ``past_key_values`` and does not: read off the stock signature, both names accepted."""
+
+    class RecordingCache:
+        def __init__(self):
+            self.calls = []
+
+        def update(self, k, v, layer_idx, *args, **kwargs):
+            self.calls.append((layer_idx, args, kwargs))
+            return k, v
+
+    model = tiny_model("llama", seed=11).eval()
+    patch_model(model, FastConfig())
+    fwd = _attention_forwards(model)[0]
+    assert fwd.cache_kwargs == ("cache" in inspect.signature(type(fwd.module).forward).parameters)
+    hidden, pos_emb = _layer0_inputs(model, 3)
+    for cache_kwargs, expected in ((True, {"kwargs": {"position_ids": None}}), (False, {})):
+        fwd.cache_kwargs = cache_kwargs
+        for name in ("cache", "past_key_values"):
+            cache = RecordingCache()
+            with torch.no_grad():
+                fwd(hidden, pos_emb, None, position_ids=None, **{name: cache})
+            assert cache.calls == [(0, (), expected)], (cache_kwargs, name)

@@ -197,7 +197,10 @@ def test_replaces_hf_checkpointing_and_undo_restores_it(device, caplog):
     assert all(layer.gradient_checkpointing for layer in layers)
     patch_model(model, _config("offload"))
     assert not any(layer.gradient_checkpointing for layer in layers)
+    assert not model.model.gradient_checkpointing  # model-level flag too: is_gradient_checkpointing is False
     _assert_same(_step(model, make_batch(model.config.vocab_size, device=device)), ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert layer_checkpointing(model).reclaim() == len(layers) + 1  # what a callback does in on_train_begin
 
     # Turned on again behind our back: turned off again, with a warning, and still exact.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -207,7 +210,7 @@ def test_replaces_hf_checkpointing_and_undo_restores_it(device, caplog):
     assert not any(layer.gradient_checkpointing for layer in layers)
 
     unpatch_model(model)
-    assert all(layer.gradient_checkpointing for layer in layers)
+    assert all(layer.gradient_checkpointing for layer in layers) and model.model.gradient_checkpointing
     assert all("forward" not in layer.__dict__ for layer in layers)
     assert STATE_ATTR not in model.__dict__ and layer_checkpointing(model) is None
     _assert_same(_step(model, make_batch(model.config.vocab_size, device=device)), ref)

@@ -1,6 +1,6 @@
 """Every family of the table on the fast path: the same loss and gradients as the stock model.
 
-Stock vs patched copies of one tiny random model (tests/helpers/tiny_models.py: GQA, vocab >
+Stock vs patched copies of one tiny random model (tests/_lib/helpers/tiny_models.py: GQA, vocab >
 65,536, two layers, each family's distinctive options on), fp32, every kernel on.
 
 Tolerances. fp32 kernels and stock PyTorch compute the same functions with different summation
@@ -187,6 +187,7 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
     assert ((cf - cs).abs() / cs.abs()).max() <= 2e-2, detail
 
 
+@pytest.mark.slow  # 10–30 s each on 2 CPU cores (the interpreter runs ~60 launches per step)
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3"])
 def test_bf16_training_curve_within_bf16_noise(model_type, device):
     _bf16_curves_agree(model_type, steps=20, device=device)

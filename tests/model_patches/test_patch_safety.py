@@ -245,8 +245,6 @@ def test_a_deep_copy_of_a_patched_model_runs_on_its_own_modules():
         assert torch.equal(model(**batch).loss, before) and not torch.equal(twin(**batch).loss, before)
 
 
-@pytest.mark.xfail(strict=True, reason="instance.swap_forward's undo is a closure over the original module, "
-                   "so a deep copy's report undoes the original (fix proposed to the lead)")
 def test_unpatching_a_deep_copy_leaves_the_original_patched():
     model = tiny_model("llama", seed=14)
     patch_model(model, FastConfig())

@@ -13,6 +13,7 @@ Each takes ~0.1 s. Sizes stay small (a few hundred tokens) so models padded to a
 
 from __future__ import annotations
 
+import functools
 import io
 
 _CORPUS = [
@@ -70,11 +71,9 @@ def bpe_tokenizer(vocab_size: int = 400):
     return out
 
 
-def _sp_pieces(vocab_size: int, dummy_prefix: bool) -> list[tuple[str, float, int]]:
-    """(piece, score, type) of a SentencePiece BPE model trained on the corpus (byte fallback on).
-
-    type: 0 normal, 1 unknown, 2 control, 3 byte.
-    """
+@functools.lru_cache(maxsize=None)
+def sp_model_bytes(vocab_size: int = 400, add_prefix_space: bool = False) -> bytes:
+    """The serialized SentencePiece BPE model (byte fallback) behind ``sp_tokenizer`` (deterministic)."""
     import sentencepiece as spm
 
     buf = io.BytesIO()
@@ -82,8 +81,15 @@ def _sp_pieces(vocab_size: int, dummy_prefix: bool) -> list[tuple[str, float, in
         sentence_iterator=iter(_CORPUS * 20), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], hard_vocab_limit=False, minloglevel=2,
-        add_dummy_prefix=dummy_prefix, split_digits=True)
-    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+        add_dummy_prefix=add_prefix_space, split_digits=True, num_threads=1)
+    return buf.getvalue()
+
+
+def _sp_pieces(vocab_size: int, dummy_prefix: bool) -> list[tuple[str, float, int]]:
+    """(piece, score, type) of the SentencePiece model; type: 0 normal, 1 unknown, 2 control, 3 byte."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=sp_model_bytes(vocab_size, dummy_prefix))
     pieces = []
     for i in range(sp.get_piece_size()):
         kind = 1 if sp.is_unknown(i) else 2 if sp.is_control(i) else 3 if sp.is_byte(i) else 0
@@ -124,8 +130,3 @@ def sp_tokenizer(vocab_size: int = 400, add_prefix_space: bool = False):
     tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
     tok.chat_template = GEMMA_TEMPLATE
     return tok
-
-
-def sp_scores(vocab_size: int = 400, add_prefix_space: bool = False) -> list[float]:
-    """The SentencePiece scores behind ``sp_tokenizer(...)`` (same training, deterministic)."""
-    return [s for _, s, _ in _sp_pieces(vocab_size, add_prefix_space)]

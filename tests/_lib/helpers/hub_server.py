@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import unquote, urlparse
 
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".png", ".pt", ".model", ".pth", ".h5")
 LFS_MIN_SIZE = 10 * 1024 * 1024
@@ -423,7 +423,3 @@ class _Handler(BaseHTTPRequestHandler):
             headers.update({"X-Linked-Etag": f'"{f.lfs_oid}"', "X-Linked-Size": str(f.size)})
         self._send(200, headers=headers, body=data, head=head)
 
-
-def query(path: str) -> dict[str, list[str]]:
-    """Parsed query string of a logged request path."""
-    return parse_qs(urlparse(path).query)

@@ -1,0 +1,231 @@
+"""The ``fasttune`` command line.
+
+    fasttune train CONFIG.yaml [--run-dir DIR] [--set training.max_steps=20 ...] [--dry-run]
+    fasttune export RUN_DIR [--artifacts adapter merged gguf] [--gguf q8_0 q4_0]
+    fasttune push RUN_DIR --repo-id me/my-model [--token ...]      (token: --token or HF_TOKEN)
+    fasttune config [--trainer dpo]       a documented run config to start from
+    fasttune doctor [--json]              versions, GPU, kernels, families, a dry patch
+    fasttune quickstart [...]             the embedded-default demo (fasttune.quickstart)
+
+Exit codes: 0 done, 1 failed, 2 bad config or arguments, 3 training stopped (SIGTERM/SIGINT).
+Configs are validated before any model or dataset is loaded; each error names its field and the
+allowed values. Heavy libraries are imported only by the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_STOPPED = 0, 1, 2, 3
+ARTIFACTS = ("adapter", "merged", "gguf")
+
+
+def _config_epilog() -> str:
+    from .run_config import field_help
+
+    lines = ["run config fields (YAML sections; `fasttune config` prints a full example):"]
+    lines += [f"  {key}: {text}" for key, text in field_help().items()]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .config import GGUF_QUANTIZATIONS, MERGED_DTYPES
+    from .run_config import TRAINERS
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="fasttune", description="Faster, leaner fine-tuning of open LLMs: train from a "
+                                "YAML run config, export, push to the Hub, check this machine.",
+                                epilog="`fasttune COMMAND --help` describes each command.", formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"fasttune {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="fine-tune from a YAML run config", formatter_class=fmt,
+                       description="Fine-tune a model as a YAML run config says; the run folder keeps the config, "
+                                   "logs, state.json, metrics and the final model.", epilog=_config_epilog())
+    t.add_argument("config", help="the YAML run config")
+    t.add_argument("--run-dir", help="where the run writes its files (default: runs/<name>-<date>-<time>)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set training.max_steps=20 (repeatable)")
+    t.add_argument("--dry-run", action="store_true", help="validate the config, print it resolved, and exit")
+
+    e = sub.add_parser("export", help="save adapter / merged / GGUF files of a finished run",
+                       description="Write the adapter, merged 16-bit weights and GGUF files of a finished run into "
+                                   "RUN_DIR/{adapter,merged,gguf}.")
+    e.add_argument("run_dir", help="folder of a finished `fasttune train` run")
+    e.add_argument("--artifacts", nargs="+", choices=ARTIFACTS,
+                   help="what to write (default: fast.export_artifacts, else all that apply)")
+    e.add_argument("--gguf", nargs="+", choices=GGUF_QUANTIZATIONS, metavar="QUANT",
+                   help=f"GGUF types (default: fast.gguf_quantizations): {', '.join(GGUF_QUANTIZATIONS)}")
+    e.add_argument("--merged-dtype", choices=MERGED_DTYPES, help="dtype of the merged weights")
+
+    h = sub.add_parser("push", help="push a finished run to the Hugging Face Hub",
+                       description="Export and upload a finished run: merged → REPO_ID, adapter → REPO_ID-lora, "
+                                   "GGUF → REPO_ID-GGUF, each with a model card. The token comes from --token or "
+                                   "HF_TOKEN (or `hf auth login`) and is never printed.")
+    h.add_argument("run_dir", help="folder of a finished `fasttune train` run")
+    h.add_argument("--repo-id", help="'name' or 'namespace/name' (default: fast.hub_model_id of the run)")
+    h.add_argument("--artifacts", nargs="+", choices=ARTIFACTS, help="what to push (default: fast.push_artifacts)")
+    h.add_argument("--gguf", nargs="+", choices=GGUF_QUANTIZATIONS, metavar="QUANT", help="GGUF types to push")
+    vis = h.add_mutually_exclusive_group()
+    vis.add_argument("--private", dest="private", action="store_true", default=None, help="create private repos")
+    vis.add_argument("--public", dest="private", action="store_false", help="create public repos")
+    h.add_argument("--token", help="Hub token (default: HF_TOKEN or the stored login)")
+
+    c = sub.add_parser("config", help="print a documented run config to start from",
+                       description="Print a complete run config (defaults, one comment per field) for the "
+                                   "embedded model and data; edit it and pass it to `fasttune train`.")
+    c.add_argument("--trainer", choices=TRAINERS, default="sft")
+
+    d = sub.add_parser("doctor", help="check versions, GPU, kernels and supported families",
+                       description="Report library versions, the GPU, where each kernel runs on this machine, the "
+                                   "supported model families and a dry patch of a tiny model of each family.")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-dry-patch", action="store_true", help="skip building and patching tiny models")
+
+    sub.add_parser("quickstart", add_help=False, help="the embedded-default demo (`fasttune quickstart --help`)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fasttune`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["quickstart"]:  # its own parser, its own --help
+        from .quickstart import main as quickstart_main
+
+        return quickstart_main(argv[1:]) or EXIT_OK
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_CONFIG
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    command = {"train": cmd_train, "export": cmd_export, "push": cmd_push, "config": cmd_config,
+               "doctor": cmd_doctor}[args.command]
+    return command(args)
+
+
+def _fail(message: str, code: int = EXIT_FAILED) -> int:
+    print(f"fasttune: {message}", file=sys.stderr)
+    return code
+
+
+def default_run_dir(cfg, config_path: str) -> Path:
+    name = cfg.run_name or Path(config_path).stem
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_train(args) -> int:
+    from .run_config import RunConfigError, load_run_config, validate
+
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        validate(cfg, args.config)
+    except RunConfigError as e:
+        return _fail(str(e), EXIT_CONFIG)
+    if args.dry_run:
+        print(cfg.to_yaml(), end="")
+        print("config OK", file=sys.stderr)
+        return EXIT_OK
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, args.config)
+    print(f"fasttune: run folder {run_dir}", file=sys.stderr)
+    from .runner import train
+
+    try:
+        state = train(cfg, run_dir)
+    except Exception as e:  # noqa: BLE001 - the traceback is in train.log and was logged
+        return _fail(f"training failed: {type(e).__name__}: {e} (see {run_dir / 'train.log'})")
+    metrics = state.get("metrics", {})
+    summary = {k: metrics.get(k) for k in ("global_step", "first_loss", "last_loss", "exact_match") if k in metrics}
+    print(f"fasttune: run {state['status']}: {json.dumps(summary)}")
+    for kind, url in (state.get("urls") or {}).items():
+        print(f"fasttune: pushed {kind}: {url}")
+    return EXIT_STOPPED if state["status"] == "stopped" else EXIT_OK
+
+
+def _check_run_dir(run_dir: str) -> str | None:
+    path = Path(run_dir)
+    if not (path / "run_config.yaml").is_file() or not (path / "final").is_dir():
+        return f"{run_dir} is not a finished fasttune run (no run_config.yaml and final/ there)"
+    return None
+
+
+def cmd_export(args) -> int:
+    from .run_config import RunConfigError
+
+    problem = _check_run_dir(args.run_dir)
+    if problem:
+        return _fail(problem, EXIT_CONFIG)
+    from .runner import export_run
+
+    try:
+        folders = export_run(args.run_dir, args.artifacts, args.gguf, args.merged_dtype)
+    except (RunConfigError, ValueError, TypeError) as e:
+        return _fail(f"export failed: {e}")
+    for kind, folder in folders.items():
+        print(f"fasttune: {kind}: {folder}")
+    return EXIT_OK
+
+
+def cmd_push(args) -> int:
+    problem = _check_run_dir(args.run_dir)
+    if problem:
+        return _fail(problem, EXIT_CONFIG)
+    from .hf_integration.hub import HubPushError
+    from .runner import push_run
+
+    try:
+        urls = push_run(args.run_dir, args.repo_id, args.artifacts, args.private, args.token, args.gguf)
+    except HubPushError as e:  # scrubbed of the token by hub.py
+        return _fail(f"push failed: {e}")
+    except ValueError as e:
+        return _fail(str(e), EXIT_CONFIG)
+    for kind, url in urls.items():
+        print(f"fasttune: pushed {kind}: {url}")
+    return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from .run_config import RunConfig, field_help
+
+    cfg = RunConfig.from_dict({"trainer": args.trainer, "run_name": f"embedded-{args.trainer}",
+                               "training": {"max_steps": 60, "learning_rate": 3e-3, "logging_steps": 5,
+                                            "max_length": 64}})
+    print(annotate_yaml(cfg.to_yaml(), field_help()), end="")
+    return EXIT_OK
+
+
+def annotate_yaml(text: str, helps: dict[str, str]) -> str:
+    """Puts each field's help as a comment above its line (top-level and one section deep)."""
+    out, section = [], None
+    for line in text.splitlines():
+        key = line.strip().split(":", 1)[0]
+        if line and not line.startswith((" ", "-")):
+            section = key
+            path = key
+        elif line.startswith("  ") and not line.startswith("   ") and not line.strip().startswith("-"):
+            path = f"{section}.{key}"
+        else:
+            path = None
+        if path in helps:
+            indent = line[:len(line) - len(line.lstrip())]
+            out.append(f"{indent}# {helps[path]}")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def cmd_doctor(args) -> int:
+    from . import doctor
+
+    info = doctor.collect(dry=not args.no_dry_patch)
+    print(json.dumps(info, indent=2) if args.json else doctor.format_report(info))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

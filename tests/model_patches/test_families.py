@@ -1,0 +1,42 @@
+"""The families table is data that matches the installed transformers exactly."""
+
+import dataclasses
+import importlib
+
+import pytest
+from transformers import AutoConfig
+
+from fasttune.model_patches.families import ACTIVATIONS, FAMILIES, family_for
+from fasttune.model_patches.patch import resolve_classes
+
+CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_row_resolves_every_class_and_matches_the_config(model_type):
+    spec = FAMILIES[model_type]
+    assert spec.model_type == model_type
+    classes = resolve_classes(spec)
+    assert set(classes) == set(CLASS_FIELDS), f"unresolved: {set(CLASS_FIELDS) - set(classes)}"
+    config = AutoConfig.for_model(model_type)
+    assert config.model_type == model_type
+    assert any(getattr(config, a, None) in ACTIVATIONS for a in spec.activation_attrs)
+    module = importlib.import_module(spec.modeling_module)
+    assert classes["causal_lm_class"].__module__ == module.__name__
+    for attr in (spec.final_softcap_attr, spec.logit_divisor_attr):
+        assert attr is None or hasattr(config, attr)
+    assert spec.norm_casting in ("llama", "gemma") and spec.qk_norm in (None, "head", "full")
+    assert spec.qkv_layout in ("separate", "fused") and spec.mlp_layout in ("separate", "fused")
+    for _, source in spec.attention_kwargs:
+        assert source.split(":")[0] in ("module", "config")
+    assert spec.gguf_arch
+
+
+def test_lookup_is_exact():
+    assert family_for("llama") is FAMILIES["llama"]
+    assert family_for("Llama") is None and family_for("llama2") is None and family_for(None) is None
+
+
+def test_rows_are_frozen_data():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FAMILIES["llama"].norm_offset = 1.0

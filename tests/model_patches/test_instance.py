@@ -1,0 +1,69 @@
+"""Per-instance forward swaps: signature kept, undo exact, other instances untouched, deepcopy-safe."""
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+
+from fasttune.model_patches.instance import PatchedForward, signature_has, stock_forward, swap_forward
+from fasttune.model_patches.report import PatchReport
+
+
+class Doubled(PatchedForward):
+    def __call__(self, x):
+        return 2 * self.stock(x)
+
+
+def test_swap_changes_one_instance_and_undo_restores_it():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.load_state_dict(a.state_dict())
+    report = PatchReport()
+    swap_forward(a, Doubled(a, stock_forward(a)), report)
+    x = torch.randn(2, 3)
+    assert torch.equal(a(x), 2 * b(x))
+    assert "forward" not in b.__dict__ and nn.Linear.forward is type(b).forward
+    assert inspect.signature(a.forward) == inspect.signature(b.forward)
+    report.undo()
+    assert "forward" not in a.__dict__ and torch.equal(a(x), b(x))
+    report.undo()  # idempotent
+
+
+def test_undo_restores_a_previous_instance_forward_and_respects_later_swaps():
+    m = nn.Linear(3, 3)
+    mine = lambda x: x  # noqa: E731 - a user's own instance override
+    m.forward = mine
+    report = PatchReport()
+    swap_forward(m, Doubled(m, stock_forward(m)), report)
+    report.undo()
+    assert m.forward is mine
+    report2 = PatchReport()
+    swap_forward(m, Doubled(m, stock_forward(m)), report2)
+    theirs = lambda x: -x  # noqa: E731 - something replaced ours afterwards
+    m.forward = theirs
+    report2.undo()
+    assert m.forward is theirs
+
+
+def test_deepcopy_of_a_patched_module_undoes_itself_only():
+    m = nn.Linear(3, 3)
+    report = PatchReport()
+    swap_forward(m, Doubled(m, stock_forward(m)), report)
+    holder = nn.Module()
+    holder.m = m
+    holder.report = report
+    twin = copy.deepcopy(holder)
+    twin.report.undo()
+    assert "forward" not in twin.m.__dict__ and isinstance(m.__dict__["forward"], Doubled)
+    assert twin.m.__dict__.get("forward") is None
+
+
+def test_signature_has():
+    def f(a, b=1):
+        return a
+
+    def g(a, **kw):
+        return a
+
+    assert signature_has(f, "a", "b") and not signature_has(f, "c")
+    assert signature_has(g, "anything")

@@ -1,0 +1,217 @@
+"""The `fasttune` command line: --help, config errors, and train → export → push → doctor on the embedded
+default, each command in its own process as a user runs it (TRITON_INTERPRET unset: the CPU reference
+path), the push against the loopback Hub (tests/_lib/helpers/hub_server.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fasttune import cli
+from fasttune.model_patches import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_cliTestToken0123456789abcdef"
+
+
+def _fasttune(*args, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_TOKEN")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "fasttune.cli", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+# --- in-process: help and errors (fast) ------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], "fine-tune from a YAML run config"), (["train"], "run config fields"), (["export"], "--artifacts"),
+    (["push"], "--repo-id"), (["doctor"], "--no-dry-patch"), (["config"], "--trainer"),
+    (["quickstart"], "--steps"),
+])
+def test_help_everywhere(argv, expected, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fasttune") and expected in out
+    if argv == ["train"]:
+        assert "training.learning_rate: Peak learning rate." in out and "fast.checkpointing:" in out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert cli.main([]) == cli.EXIT_CONFIG
+    assert "COMMAND" in capsys.readouterr().out
+
+
+def _train_errors(tmp_path, text: str, capsys, monkeypatch) -> str:
+    import fasttune.runner
+
+    monkeypatch.setattr(fasttune.runner, "train", lambda *a, **k: pytest.fail("a bad config reached training"))
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert cli.main(["train", str(path), "--run-dir", str(tmp_path / "run")]) == cli.EXIT_CONFIG
+    assert not (tmp_path / "run").exists()
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("trainer: ppo\n", "trainer: 'ppo' is not one of sft, dpo"),
+    ("method: lora\ntraining: {lr: 0.1}\n", "training: unknown key 'lr'; known keys: learning_rate, num_train_epochs"),
+    ("fast: {checkpointing: yes}\n", "fast.checkpointing: True is not one of recompute, offload, auto"),
+    ("data: {dataset: missing.jsonl}\n", "data.dataset: local file 'missing.jsonl' does not exist"),
+    ("model: {base: ./no/such/folder}\n", "model.base: './no/such/folder' is neither an existing local folder"),
+    ("model: {base: org/some-model}\n", "model.base: 'org/some-model' is a Hub id but HF_HUB_OFFLINE is set"),
+])
+def test_train_config_errors_name_the_field(text, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    err = _train_errors(tmp_path, text, capsys, monkeypatch)
+    assert expected in err and err.startswith("fasttune: invalid run config in ")
+
+
+def test_set_overrides_are_validated_too(tmp_path, capsys):
+    path = tmp_path / "ok.yaml"
+    path.write_text("trainer: sft\n")
+    assert cli.main(["train", str(path), "--set", "training.max_steps=ten"]) == cli.EXIT_CONFIG
+    assert "training.max_steps: expected an integer, got 'ten'" in capsys.readouterr().err
+    assert cli.main(["train", str(path), "--dry-run", "--set", "training.max_steps=10"]) == cli.EXIT_OK
+    assert yaml.safe_load(capsys.readouterr().out)["training"]["max_steps"] == 10
+
+
+def test_export_and_push_refuse_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path)]) == cli.EXIT_CONFIG
+    assert cli.main(["push", str(tmp_path), "--repo-id", "me/x"]) == cli.EXIT_CONFIG
+    assert capsys.readouterr().err.count("is not a finished fasttune run") == 2
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_config_command_prints_a_valid_documented_config(trainer, capsys, tmp_path):
+    from fasttune.run_config import RunConfig
+
+    assert cli.main(["config", "--trainer", trainer]) == cli.EXIT_OK
+    text = capsys.readouterr().out
+    cfg = RunConfig.from_dict(yaml.safe_load(text))
+    assert cfg.trainer == trainer and "  # Peak learning rate.\n  learning_rate:" in text
+
+
+# --- subprocesses: the whole job on the embedded default -----------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    config = tmp / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_name": "cli-sft", "model": {"base": "embedded"}, "data": {"dataset": "embedded", "max_samples": 200},
+        "trainer": "sft", "method": "lora", "lora": {"r": 8, "alpha": 16},
+        "training": {"max_steps": 8, "per_device_train_batch_size": 8, "learning_rate": 5e-3, "logging_steps": 2,
+                     "max_length": 32, "seed": 1},
+        "fast": {"gguf_quantizations": ["q8_0"], "hub_model_id": "tester/cli-sft"}}))
+    run_dir = tmp / "run"
+    proc = _fasttune("train", config, "--run-dir", run_dir)
+    return run_dir, proc
+
+
+@pytest.mark.slow
+def test_train_writes_a_complete_run_folder(trained_run):
+    run_dir, proc = trained_run
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "fasttune: run completed:" in proc.stdout
+    for name in ("run_config.yaml", "fast_config.json", "state.json", "metrics.json", "trainer_state.json",
+                 "log_history.jsonl", "train.log", "final/adapter_config.json", "final/adapter_model.safetensors",
+                 "final/tokenizer.json", "base/config.json"):
+        assert (run_dir / name).is_file(), name
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "completed" and state["step"] == 8 and state["error"] is None
+    assert [s for s, _ in state["loss"]] == [2, 4, 6, 8]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["global_step"] == 8 and metrics["last_loss"] < metrics["first_loss"]
+    assert metrics["patched"]["cross_entropy"] == 1 and 0.0 <= metrics["exact_match"] <= 1.0
+    assert json.loads((run_dir / "fast_config.json").read_text())["hub_model_id"] == "tester/cli-sft"
+    assert yaml.safe_load((run_dir / "run_config.yaml").read_text())["training"]["max_steps"] == 8
+
+
+@pytest.mark.slow
+def test_export_adapter_merged_and_gguf(trained_run):
+    run_dir, _ = trained_run
+    proc = _fasttune("export", run_dir, "--artifacts", "adapter", "merged", "gguf", "--gguf", "q8_0",
+                     "--merged-dtype", "float32")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "fasttune: gguf:" in proc.stdout
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    # the run's hub_model_id names the files and gives the cards their repo ids
+    assert "tester/cli-sft" in (run_dir / "merged" / "README.md").read_text()
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    merged = load_file(run_dir / "merged" / "model.safetensors")
+    base = load_file(run_dir / "base" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in merged.values())
+    changed = [k for k in base if "proj" in k and not torch.equal(base[k], merged[k])]
+    assert changed  # the LoRA update was merged in
+    reader = gguf.GGUFReader(run_dir / "gguf" / "cli-sft-Q8_0.gguf")
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
+    names = {t.name for t in reader.tensors}
+    assert "token_embd.weight" in names and "output_norm.weight" in names
+    assert len([n for n in names if n.startswith("blk.1.")]) == 9  # 7 projections + 2 norms
+    state = json.loads((run_dir / "state.json").read_text())
+    assert set(state["artifacts"]) == {"adapter", "merged", "gguf"}
+
+
+@pytest.mark.slow
+def test_push_to_the_loopback_hub(trained_run, tmp_path):
+    from helpers.hub_server import HubServer
+
+    run_dir, _ = trained_run
+    with HubServer() as server:
+        proc = _fasttune("push", run_dir, "--repo-id", "tester/cli-push", "--artifacts", "adapter", "merged", "gguf",
+                         "--public", env_extra=dict(HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN,
+                                                    HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0"))
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        repos = {k: set(r.files) for k, r in server.repos.items()}
+        assert set(repos) == {"tester/cli-push", "tester/cli-push-lora", "tester/cli-push-GGUF"}
+        assert not any(r.private for r in server.repos.values())
+        assert {"README.md", "model.safetensors", "config.json", "tokenizer.json"} <= repos["tester/cli-push"]
+        assert {"README.md", "adapter_config.json", "adapter_model.safetensors"} <= repos["tester/cli-push-lora"]
+        assert {"README.md", "Modelfile", "cli-push-Q8_0.gguf"} <= repos["tester/cli-push-GGUF"]
+        stored = server.file_bytes("tester/cli-push-lora", "adapter_model.safetensors")
+        local = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+        assert hashlib.sha256(stored).digest() == hashlib.sha256(local).digest()
+        card = server.file_bytes("tester/cli-push", "README.md").decode()
+        assert "library_name: \"transformers\"" in card or "library_name: transformers" in card
+        assert TOKEN in server.tokens_seen
+        assert TOKEN not in proc.stdout + proc.stderr
+        assert not any(TOKEN.encode() in data for _, data in server.all_stored_bytes())
+        for url in (f"{server.url}/tester/cli-push", f"{server.url}/tester/cli-push-lora"):
+            assert url in proc.stdout
+        state = json.loads((run_dir / "state.json").read_text())
+        assert state["urls"]["merged"] == f"{server.url}/tester/cli-push"
+
+
+@pytest.mark.slow
+def test_doctor_reports_this_machine():
+    proc = _fasttune("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout)
+    names = {r["name"] for r in info["versions"]}
+    assert {"python", "torch", "triton", "transformers", "peft", "trl", "bitsandbytes", "gguf",
+            "llama-cpp-python"} <= names
+    import torch
+
+    if torch.cuda.is_available():
+        assert info["gpu"]["name"] != "none" and set(info["kernels"].values()) == {"triton"}
+    else:
+        assert info["gpu"]["name"] == "none"
+        assert set(info["kernels"].values()) == {"reference (no CUDA device)"}  # TRITON_INTERPRET unset
+    assert info["families"] == sorted(FAMILIES)
+    assert {r["family"] for r in info["dry_patch"]} == set(FAMILIES) | {"llama + LoRA"}
+    text = _fasttune("doctor", "--no-dry-patch")
+    assert text.returncode == 0 and "GPU: " in text.stdout and "supported families: " in text.stdout
+    assert "dry patch" not in text.stdout

@@ -1,0 +1,168 @@
+"""The YAML run config: schema, error messages, overrides, sources (no model is ever loaded here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fasttune.config import FastConfig
+from fasttune.run_config import (FORMATS, KNOWN_KEYS, OPTIMIZERS, SCHEDULERS, RunConfig, RunConfigError,
+                                 apply_overrides, check_sources, classify_dataset, classify_model, field_help,
+                                 load_run_config, parse_run_config)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _errors(data) -> list[str]:
+    with pytest.raises(RunConfigError) as info:
+        RunConfig.from_dict(data)
+    return info.value.errors
+
+
+def test_defaults_round_trip_through_yaml():
+    cfg = RunConfig.from_dict({"trainer": "dpo", "method": "qlora", "lora": {"target_modules": ["q_proj", "v_proj"]},
+                               "training": {"learning_rate": "2e-4", "max_steps": 7, "bf16": False},
+                               "data": {"columns": {"prompt": "q", "chosen": "a", "rejected": "b"}},
+                               "fast": {"checkpointing": "offload", "gguf_quantizations": "Q4_0"}})
+    assert cfg.training.learning_rate == 2e-4  # YAML 1.1 reads 2e-4 as a string
+    assert cfg.fast.gguf_quantizations == ("q4_0",) and isinstance(cfg.fast, FastConfig)
+    again = parse_run_config(cfg.to_yaml())
+    assert again == cfg and again.to_dict() == cfg.to_dict()
+    assert set(cfg.to_dict()) == set(KNOWN_KEYS)
+
+
+def test_every_fast_config_field_is_in_the_fast_section():
+    fast = RunConfig().to_dict()["fast"]
+    assert set(fast) == {f.name for f in dataclasses.fields(FastConfig)}
+    helps = field_help()
+    assert all(helps[f"fast.{name}"] for name in fast)
+    assert all(text.strip() for text in helps.values())
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"trainer": "ppo"}, "trainer: 'ppo' is not one of sft, dpo"),
+    ({"method": "dora"}, "method: 'dora' is not one of lora, qlora, full"),
+    ({"training": {"lr_scheduler_type": "fancy"}}, "training.lr_scheduler_type: 'fancy' is not one of linear, cosine"),
+    ({"training": {"bf16": "yes"}}, "training.bf16: 'yes' is not one of auto, true, false"),
+    ({"training": {"max_steps": 2.5}}, "training.max_steps: expected an integer, got 2.5"),
+    ({"training": {"learning_rate": "fast"}}, "training.learning_rate: expected a number, got 'fast'"),
+    ({"training": {"learning_rate": 0}}, "training.learning_rate: must be > 0"),
+    ({"training": {"per_device_train_batch_size": 0}}, "training.per_device_train_batch_size: must be >= 1"),
+    ({"lora": {"dropout": 1.5}}, "lora.dropout: must be <= 1"),
+    ({"lora": {"target_modules": []}}, "lora.target_modules: expected 'all-linear' or a non-empty list"),
+    ({"model": {"trust_remote_code": "yes"}}, "model.trust_remote_code: expected true or false"),
+    ({"model": "gpt2"}, "model: expected a mapping of base, revision, dtype, trust_remote_code"),
+    ({"fast": {"checkpointing": "sometimes"}}, "fast.checkpointing: 'sometimes' is not one of recompute, offload, auto"),
+    ({"fast": {"export_artifacts": ["onnx"]}}, "fast.export_artifacts: 'onnx' is not one of adapter, merged, gguf"),
+    ({"fast": {"push_to_hub": True}}, "fast.push_to_hub=True needs hub_model_id"),
+    ({"fast": {"rms_norm": "off"}}, "fast.rms_norm: expected true or false"),
+    ({"data": {"columns": {"prompt": "q"}}}, "data.columns: roles prompt are not a sft format; give "
+                                             "prompt+completion or messages or text"),
+    ({"data": {"columns": {"question": "q"}}}, "data.columns: 'question' is not a sft role"),
+    ({"trainer": "dpo", "data": {"columns": {"prompt": "p", "completion": "c"}}},
+     "data.columns: 'completion' is not a dpo role; one of chosen, prompt, rejected"),
+    ({"method": "full", "fast": {"export_artifacts": ["adapter"]}}, "'adapter' needs method lora or qlora"),
+])
+def test_errors_name_the_field_and_the_allowed_values(data, expected):
+    errors = _errors(data)
+    assert any(expected in e for e in errors), errors
+
+
+def test_unknown_keys_are_rejected_with_the_known_ones_listed():
+    errors = _errors({"lr": 1e-4, "training": {"lr": 1e-4}, "fast": {"fused_rope": True}})
+    assert "unknown key 'lr'; known keys: model, data, trainer, method, lora, training, fast, run_name" in errors
+    assert any(e.startswith("training: unknown key 'lr'; known keys: learning_rate, num_train_epochs") for e in errors)
+    assert any(e.startswith("fast: unknown key 'fused_rope'; known keys: cross_entropy, rms_norm") for e in errors)
+    assert len(errors) == 3  # every problem at once, not one per attempt
+
+
+def test_error_message_lists_every_problem_with_its_source(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer: ppo\ntraining: {max_steps: many}\n")
+    with pytest.raises(RunConfigError) as info:
+        load_run_config(path)
+    text = str(info.value)
+    assert text.startswith(f"invalid run config in {path}:")
+    assert "  - trainer: 'ppo' is not one of sft, dpo" in text and "training.max_steps: expected an integer" in text
+    path.write_text("trainer: [unclosed\n")
+    with pytest.raises(RunConfigError, match="not valid YAML"):
+        load_run_config(path)
+    with pytest.raises(RunConfigError, match="does not exist"):
+        load_run_config(tmp_path / "missing.yaml")
+
+
+def test_overrides_set_nested_fields_as_yaml_values():
+    data = apply_overrides({"training": {"max_steps": 5}}, ["training.max_steps=9", "fast.export_artifacts=[merged]",
+                                                           "trainer=dpo", "training.bf16=false"])
+    assert data == {"training": {"max_steps": 9, "bf16": False}, "fast": {"export_artifacts": ["merged"]},
+                    "trainer": "dpo"}
+    with pytest.raises(RunConfigError, match="expected KEY=VALUE"):
+        apply_overrides({}, ["training.max_steps"])
+    with pytest.raises(RunConfigError, match="'trainer' is not a section"):
+        apply_overrides({"trainer": "sft"}, ["trainer.x=1"])
+
+
+def test_allowed_values_exist_in_the_installed_transformers():
+    from transformers.trainer_utils import SchedulerType
+    from transformers.training_args import OptimizerNames
+
+    assert set(SCHEDULERS) <= {s.value for s in SchedulerType}
+    assert set(OPTIMIZERS) <= {o.value for o in OptimizerNames}
+
+
+def test_sources_classified_without_loading(tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    assert classify_model("embedded") == "embedded" and classify_model(str(model_dir)) == "local"
+    assert classify_model("Qwen/Qwen2.5-0.5B") == "hub" and classify_model("gpt2") == "hub"
+    with pytest.raises(ValueError, match="neither an existing local folder nor a Hub id"):
+        classify_model("./no/such/model")
+    with pytest.raises(ValueError, match="has no config.json"):
+        classify_model(str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        classify_dataset(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="is not one of .json, .jsonl, .csv, .parquet"):
+        classify_dataset(str(tmp_path / "notes.txt"))
+    assert classify_dataset("trl-lib/Capybara") == "hub"
+
+
+def test_check_sources_reports_paths_offline_hub_ids_and_columns(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"q": f"q{i}", "a": f"a{i}"}) for i in range(3)))
+    cfg = RunConfig.from_dict({"model": {"base": "org/tiny"}, "data": {"dataset": str(data)}})
+    errors = check_sources(cfg)
+    assert any(e.startswith("model.base: 'org/tiny' is a Hub id but HF_HUB_OFFLINE is set") for e in errors)
+    assert any(e.startswith("data.columns: the dataset's columns (q, a) hold no sft format") for e in errors)
+    cfg = RunConfig.from_dict({"data": {"dataset": str(data), "columns": {"prompt": "q", "completion": "answer"}}})
+    assert check_sources(cfg) == ["data.columns.completion: column 'answer' is not in the dataset; columns: q, a"]
+    cfg = RunConfig.from_dict({"data": {"dataset": str(data), "columns": {"prompt": "q", "completion": "a"}}})
+    assert check_sources(cfg) == []
+    cfg = RunConfig.from_dict({"data": {"dataset": "org/data"}})
+    assert check_sources(cfg)[0].startswith("data.dataset: 'org/data' is a Hub id but HF_HUB_OFFLINE is set")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert check_sources(cfg) == []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid(path):
+    cfg = load_run_config(path)
+    assert check_sources(cfg) == []
+    assert cfg.trainer in FORMATS
+
+
+def test_validation_imports_no_ml_library():
+    code = ("import sys; from fasttune.run_config import RunConfig, check_sources; "
+            "c = RunConfig.from_dict({'trainer': 'dpo'}); check_sources(c); "
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+

@@ -1,0 +1,86 @@
+"""Run data: local files, the embedded task, column detection and mapping onto TRL's roles."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from fasttune import run_data
+from fasttune.run_config import RunConfig
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_read_rows_reads_every_supported_file_kind(tmp_path):
+    rows = [{"q": f"question {i}", "a": f"answer {i}"} for i in range(7)]
+    _write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": rows}))
+    _write_jsonl(tmp_path / "lines.json", rows)  # JSON lines in a .json file, as datasets accepts
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["q", "a"])
+        w.writeheader()
+        w.writerows(rows)
+    for name in ("d.jsonl", "array.json", "wrapped.json", "lines.json", "d.csv"):
+        assert run_data.read_rows(tmp_path / name) == rows, name
+        assert run_data.read_rows(tmp_path / name, limit=3) == rows[:3], name
+    (tmp_path / "bad.jsonl").write_text('{"q": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        run_data.read_rows(tmp_path / "bad.jsonl")
+
+
+def test_embedded_rows_per_trainer():
+    sft = run_data.embedded_rows("sft", 5, seed=1)
+    dpo = run_data.embedded_rows("dpo", 5, seed=1)
+    assert set(sft[0]) == {"prompt", "completion"} and set(dpo[0]) == {"prompt", "chosen", "rejected"}
+    for s, d in zip(sft, dpo):
+        word = s["prompt"].split()[1]
+        assert d["chosen"] == s["completion"] != d["rejected"] == " " + word
+    assert run_data.available_columns("embedded", "dpo") == ["prompt", "chosen", "rejected"]
+
+
+@pytest.mark.parametrize("trainer, columns, expected", [
+    ("sft", ["id", "prompt", "completion", "text"], {"prompt": "prompt", "completion": "completion"}),
+    ("sft", ["id", "messages"], {"messages": "messages"}),
+    ("sft", ["text"], {"text": "text"}),
+    ("dpo", ["prompt", "chosen", "rejected", "score"], {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
+    ("dpo", ["chosen", "rejected"], {"chosen": "chosen", "rejected": "rejected"}),
+])
+def test_formats_are_detected_from_column_names(trainer, columns, expected):
+    assert run_data.resolve_columns(trainer, {}, columns) == expected
+
+
+def test_column_errors_name_the_role_and_the_columns():
+    assert run_data.column_errors("sft", {"prompt": "q", "completion": "x"}, ["q", "a"]) == [
+        "data.columns.completion: column 'x' is not in the dataset; columns: q, a"]
+    [msg] = run_data.column_errors("dpo", {}, ["q", "good", "bad"])
+    assert msg.startswith("data.columns: the dataset's columns (q, good, bad) hold no dpo format "
+                          "(prompt+chosen+rejected or chosen+rejected)")
+    with pytest.raises(ValueError, match="hold no sft format"):
+        run_data.resolve_columns("sft", {}, ["q", "a"])
+
+
+def test_load_train_dataset_renames_selects_and_limits(tmp_path):
+    rows = [{"id": i, "q": f"q{i}", "good": f"g{i}", "bad": f"b{i}"} for i in range(9)]
+    path = _write_jsonl(tmp_path / "prefs.jsonl", rows)
+    cfg = RunConfig.from_dict({"trainer": "dpo", "data": {"dataset": str(path), "max_samples": 4,
+                                                          "columns": {"prompt": "q", "chosen": "good", "rejected": "bad"}}})
+    ds = run_data.load_train_dataset(cfg)
+    assert ds.column_names == ["prompt", "chosen", "rejected"] and len(ds) == 4
+    assert ds[3] == {"prompt": "q3", "chosen": "g3", "rejected": "b3"}
+    cfg = RunConfig.from_dict({"data": {"max_samples": 12}, "training": {"seed": 3}})
+    ds = run_data.load_train_dataset(cfg)
+    assert len(ds) == 12 and ds.column_names == ["prompt", "completion"]
+    assert ds[0] == run_data.embedded_rows("sft", 1, seed=3)[0]
+
+
+def test_load_train_dataset_rejects_a_missing_column(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"q": "x", "a": "y"}])
+    cfg = RunConfig.from_dict({"data": {"dataset": str(path), "columns": {"prompt": "q", "completion": "answer"}}})
+    with pytest.raises(ValueError, match="column 'answer' is not in the dataset; columns: q, a"):
+        run_data.load_train_dataset(cfg)

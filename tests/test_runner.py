@@ -1,0 +1,158 @@
+"""The runner: state.json, stop handling, trainer arguments, a stopped DPO run, export from a run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fasttune import runner
+from fasttune.run_config import RunConfig, load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_state_file_merges_updates_atomically(tmp_path):
+    assert runner.read_state(tmp_path) == {}
+    runner.write_state(tmp_path, status="running", step=1, loss=[[1, 2.0]])
+    state = runner.write_state(tmp_path, step=2)
+    assert state["status"] == "running" and state["step"] == 2 and state["loss"] == [[1, 2.0]]
+    assert runner.read_state(tmp_path) == state
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # no temporary files left
+    (tmp_path / "state.json").write_text('{"status": "runn')  # a torn file reads as no state
+    assert runner.read_state(tmp_path) == {}
+
+
+def test_stop_signal_stops_at_step_end_inside_the_loop_and_at_once_outside():
+    stop = runner.StopSignal().install()
+    try:
+        stop.in_loop = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+        stop.in_loop = False
+        with pytest.raises(runner.StopRequested):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes of this thread
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle
+
+
+def test_state_callback_records_logs_and_honours_a_stop(tmp_path):
+    stop = runner.StopSignal()
+    cb = runner._state_callback(tmp_path, stop)
+    state = SimpleNamespace(max_steps=10, global_step=0, epoch=0.0)
+    control = SimpleNamespace(should_training_stop=False)
+    cb.on_train_begin(None, state, control)
+    assert stop.in_loop and runner.read_state(tmp_path)["status"] == "running"
+    for step, loss in ((2, 3.5), (4, 2.5)):
+        state.global_step, state.epoch = step, step / 10
+        cb.on_log(None, state, control, logs={"loss": loss, "learning_rate": 1e-3, "note": "x"})
+    cb.on_log(None, state, control, logs={"train_runtime": 1.5})
+    saved = runner.read_state(tmp_path)
+    assert saved["loss"] == [[2, 3.5], [4, 2.5]] and saved["step"] == 4 and saved["max_steps"] == 10
+    assert saved["last_log"] == {"train_runtime": 1.5, "step": 4}
+    lines = [json.loads(x) for x in (tmp_path / "log_history.jsonl").read_text().splitlines()]
+    assert [x.get("loss") for x in lines] == [3.5, 2.5, None] and lines[0]["note"] == "x"
+    cb.on_step_end(None, state, control)
+    assert control.should_training_stop is False
+    stop.requested = True
+    cb.on_step_end(None, state, control)
+    assert control.should_training_stop is True
+
+
+def test_training_args_map_the_training_section(tmp_path):
+    from trl import DPOConfig, SFTConfig
+
+    cfg = RunConfig.from_dict({"training": {"warmup": 0.1, "max_steps": 9, "bf16": "auto", "optim": "adamw_torch",
+                                            "lr_scheduler_type": "cosine", "save_strategy": "steps", "save_steps": 3}})
+    args = runner.training_args(cfg, tmp_path)
+    assert isinstance(args, SFTConfig) and args.max_steps == 9 and args.save_steps == 3
+    assert args.output_dir == str(tmp_path) and args.report_to == [] and args.max_length == 1024
+    assert args.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert args.use_cpu == (not torch.cuda.is_available()) and not args.gradient_checkpointing
+    assert args.get_warmup_steps(100) == 10  # a fraction of the run
+    cfg = RunConfig.from_dict({"trainer": "dpo", "training": {"warmup": 5, "beta": 0.3, "bf16": False}})
+    args = runner.training_args(cfg, tmp_path)
+    assert isinstance(args, DPOConfig) and args.beta == 0.3 and args.get_warmup_steps(100) == 5 and not args.bf16
+
+
+def test_a_data_problem_fails_the_run_before_the_model_loads(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "x", "a": "y"}\n')
+    cfg = RunConfig.from_dict({"data": {"dataset": str(data), "columns": {"prompt": "q", "completion": "answer"}}})
+    with pytest.raises(ValueError, match="column 'answer' is not in the dataset"):
+        runner.train(cfg, tmp_path / "run")
+    state = runner.read_state(tmp_path / "run")
+    assert state["status"] == "failed" and "column 'answer'" in state["error"]
+    assert not (tmp_path / "run" / "base").exists()  # the model was never built
+    assert "column 'answer'" in (tmp_path / "run" / "train.log").read_text()
+    assert load_run_config(tmp_path / "run" / "run_config.yaml") == cfg
+
+
+@pytest.fixture(scope="module")
+def stopped_dpo_run(tmp_path_factory):
+    """examples/configs/dpo_embedded.yaml in a `fasttune train` process, stopped by SIGTERM mid-run."""
+    run_dir = tmp_path_factory.mktemp("dpo") / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU reference path
+    cmd = [sys.executable, "-m", "fasttune.cli", "train", str(ROOT / "examples" / "configs" / "dpo_embedded.yaml"),
+           "--run-dir", str(run_dir), "--set", "training.max_steps=500", "--set", "training.logging_steps=1",
+           "--set", "training.per_device_train_batch_size=4"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if runner.read_state(run_dir).get("step", 0) >= 2:
+                break
+            time.sleep(0.3)
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return run_dir, proc.returncode, out
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_dpo_run_cleanly(stopped_dpo_run):
+    run_dir, code, out = stopped_dpo_run
+    assert code == 3, out[-4000:]
+    state = runner.read_state(run_dir)
+    assert state["status"] == "stopped" and 2 <= state["step"] < 500
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["stopped"] is True and metrics["trainer_class"] in ("FastDPOTrainer", "DPOTrainer")
+    assert metrics["patched"].get("cross_entropy", 0) >= 1
+    assert (run_dir / "final" / "adapter_config.json").is_file()
+    assert not (run_dir / "adapter").exists()  # a stopped run exports nothing
+    logs = [json.loads(x) for x in (run_dir / "log_history.jsonl").read_text().splitlines()]
+    assert any("rewards/margins" in x for x in logs)
+    assert "run stopped" in out
+
+
+@pytest.mark.slow
+def test_export_from_a_run_folder_matches_the_adapter(stopped_dpo_run):
+    run_dir = stopped_dpo_run[0]
+    folders = runner.export_run(run_dir, ["merged"], merged_dtype="float32")
+    assert folders == {"merged": str(run_dir / "merged")}
+    assert runner.read_state(run_dir)["artifacts"]["merged"] == str(run_dir / "merged")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, model, tok = runner.load_run(run_dir)
+    assert isinstance(model, PeftModel)
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged", dtype=torch.float32)
+    ids = tok(["shift: abc = bcd", "shift: xyz = yza"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert any(p.abs().max() > 0 for p in lora_b)  # the adapter did train: the check is not vacuous
