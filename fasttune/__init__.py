@@ -24,12 +24,18 @@ _EXPORTS = {
     "FastTrainer": "fasttune.hf_integration.trainer",
     "FastPatchCallback": "fasttune.hf_integration.callback",
     "FastSFTTrainer": "fasttune.hf_integration.trl",
+    "FastDPOTrainer": "fasttune.hf_integration.trl",
+    "FastGRPOTrainer": "fasttune.hf_integration.trl",
+    "FastKTOTrainer": "fasttune.hf_integration.trl",
+    "FastRLOOTrainer": "fasttune.hf_integration.trl",
     "save_adapter": "fasttune.hf_integration.export",
     "save_merged": "fasttune.hf_integration.export",
     "save_gguf": "fasttune.hf_integration.gguf",
     "push_to_hub": "fasttune.hf_integration.hub",
     "load_model": "fasttune.hf_integration.loader",
     "LoraSpec": "fasttune.hf_integration.loader",
+    "ModelLoadError": "fasttune.hf_integration.loader",
+    "HubPushError": "fasttune.hf_integration.hub",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     vis = h.add_mutually_exclusive_group()
     vis.add_argument("--private", dest="private", action="store_true", default=None, help="create private repos")
     vis.add_argument("--public", dest="private", action="store_false", help="create public repos")
-    h.add_argument("--token", help="Hub token (default: HF_TOKEN or the stored login)")
+    h.add_argument("--token", help="Hub token (default: HF_TOKEN or the stored login; prefer those: "
+                                   "a command-line argument is visible to other users of the machine)")
 
     c = sub.add_parser("config", help="print a documented run config to start from",
                        description="Print a complete run config (defaults, one comment per field) for the "
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Hub request otherwise
     command = {"train": cmd_train, "export": cmd_export, "push": cmd_push, "config": cmd_config,
                "doctor": cmd_doctor}[args.command]
     return command(args)

@@ -2,7 +2,7 @@
 
 Sections (every key documented by ``field_help()``; ``fasttune train --help`` prints them)::
 
-    model:    {base, revision, dtype, trust_remote_code}
+    model:    {base, revision, dtype}
     data:     {dataset, config_name, split, columns, max_samples}
     trainer:  sft | dpo
     method:   lora | qlora | full
@@ -68,7 +68,6 @@ class ModelSection:
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) of the base model.", "str", nullable=True)
     dtype: str = _f("auto", "Weights dtype: auto (bfloat16 on a bf16 GPU, else float32), float32, bfloat16, "
                             "float16.", "str", choices=DTYPES)
-    trust_remote_code: bool = _f(False, "Allow model code from the Hub repo.", "bool")
 
 
 @dataclass
@@ -87,10 +86,11 @@ class DataSection:
 @dataclass
 class LoraSection:
     r: int = _f(16, "LoRA rank.", "int", min=1)
-    alpha: float = _f(32, "LoRA alpha (the update is scaled by alpha / r).", "float", min=0)
-    dropout: float = _f(0.0, "LoRA dropout (0 keeps fasttune's fused LoRA path).", "float", min=0, max=1)
-    target_modules: Any = _f("all-linear", "Modules that get adapters: 'all-linear' or a list of names "
-                                           "(q_proj, k_proj, ...).", "str_or_list")
+    alpha: float = _f(32, "LoRA alpha (the update is scaled by alpha / r).", "float", min=0, exclusive_min=True)
+    dropout: float = _f(0.0, "LoRA dropout, in [0, 1) (0 keeps fasttune's fused LoRA path).", "float", min=0, max=1,
+                        exclusive_max=True)
+    target_modules: Any = _f("all-linear", "Modules that get adapters: 'all-linear', a list of names "
+                                           "(q_proj, k_proj, ...) or a regex over module paths.", "str_or_list")
 
 
 @dataclass
@@ -256,12 +256,13 @@ def _value(path: str, value, rules, errors: list[str]):
         if lo is not None and (value < lo or (rules.get("exclusive_min") and value == lo)):
             errors.append(f"{path}: must be {'>' if rules.get('exclusive_min') else '>='} {lo}, got {value!r}")
             return _BAD
-        if hi is not None and value > hi:
-            errors.append(f"{path}: must be <= {hi}, got {value!r}")
+        if hi is not None and (value > hi or (rules.get("exclusive_max") and value == hi)):
+            errors.append(f"{path}: must be {'<' if rules.get('exclusive_max') else '<='} {hi}, got {value!r}")
             return _BAD
     if kind == "str_or_list":
         if isinstance(value, str):
-            return value
+            # PEFT full-matches a string against whole module paths: a bare name means a list of one.
+            return value if value == "all-linear" or any(c in value for c in ".*|()[]^$?+\\") else [value]
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             errors.append(f"{path}: expected 'all-linear' or a non-empty list of module names, got {value!r}")
             return _BAD
@@ -462,11 +463,18 @@ def check_sources(cfg: RunConfig) -> list[str]:
             errors += run_data.column_errors(cfg.trainer, cfg.data.columns, available)
     except ValueError as e:
         errors.append(f"data.dataset: {e}")
-    if cfg.method == "qlora":
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("bitsandbytes") is None:
-            errors.append("method: 'qlora' needs bitsandbytes (pip install 'fasttune[qlora]')")
+    if cfg.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        errors.append("method: 'qlora' needs bitsandbytes (pip install 'fasttune[qlora]')")
+    fast = cfg.fast
+    if "gguf" in fast.export_artifacts or (fast.push_to_hub and "gguf" in fast.push_artifacts):
+        if importlib.util.find_spec("gguf") is None:
+            errors.append("fast.export_artifacts: 'gguf' needs the gguf package (pip install 'fasttune[gguf]')")
+        k_quants = [q for q in fast.gguf_quantizations if "_k" in q]
+        if k_quants and importlib.util.find_spec("llama_cpp") is None:
+            errors.append(f"fast.gguf_quantizations: {', '.join(k_quants)} need llama-cpp-python "
+                          "(pip install 'fasttune[gguf-kquants]'; see the README for its build flags)")
     return errors
 
 

@@ -1,8 +1,9 @@
 """Train from a run config, and export or push a finished run from its folder.
 
-``train(cfg, run_dir)`` loads the base model (Hub id, local folder or the embedded one), wraps it
-for LoRA/QLoRA when asked, builds TRL's SFT or DPO trainer on fasttune's kernels
-(``FastSFTTrainer``/``FastDPOTrainer``, else the TRL trainer with ``FastPatchCallback``) and runs it.
+``train(cfg, run_dir)`` loads the base model (Hub id, local folder or the embedded one) with
+``hf_integration.loader.load_model`` (NF4 for QLoRA, LoRA attached, patched), builds TRL's SFT or
+DPO trainer on fasttune's kernels (``FastSFTTrainer``/``FastDPOTrainer``, else the TRL trainer
+with ``FastPatchCallback``) and runs it; export and push then run from the run folder.
 The run folder then holds everything ``export_run``/``push_run`` (and the Space) need later::
 
     run_config.yaml   fast_config.json   state.json        log_history.jsonl   train.log
@@ -38,10 +39,20 @@ TERMINAL = ("completed", "failed", "stopped")
 
 # --- state.json ------------------------------------------------------------------------------
 
+def _is_main_process() -> bool:
+    """Rank 0 under torchrun/accelerate (RANK set by the launcher), or a single process."""
+    return os.environ.get("RANK", "0") in ("0", "")
+
+
+def _state_name() -> str:
+    # Other ranks of a distributed run keep their own file: state.json is rank 0's alone.
+    return STATE_FILE if _is_main_process() else f".state.rank{os.environ['RANK']}.json"
+
+
 def read_state(run_dir: str | Path) -> dict[str, Any]:
     """The run's state.json ({} when there is none yet)."""
     try:
-        return json.loads((Path(run_dir) / STATE_FILE).read_text(encoding="utf-8"))
+        return json.loads((Path(run_dir) / _state_name()).read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
@@ -51,9 +62,10 @@ def write_state(run_dir: str | Path, **updates: Any) -> dict[str, Any]:
     run_dir = Path(run_dir)
     state = read_state(run_dir)
     state.update(updates, updated_at=time.time())
-    tmp = run_dir / f".{STATE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+    name = _state_name()
+    tmp = run_dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
     tmp.write_text(json.dumps(state, indent=1), encoding="utf-8")
-    os.replace(tmp, run_dir / STATE_FILE)
+    os.replace(tmp, run_dir / name)
     return state
 
 
@@ -98,6 +110,8 @@ def _state_callback(run_dir: Path, stop: StopSignal):
             write_state(run_dir, status="running", step=0, max_steps=state.max_steps)
 
         def on_log(self, args, state, control, logs=None, **kw):
+            if not _is_main_process():
+                return
             logs = dict(logs or {}, step=state.global_step)
             with open(run_dir / "log_history.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(logs) + "\n")
@@ -140,35 +154,32 @@ def _base_path(cfg: RunConfig, run_dir: Path) -> str:
     return str(base)
 
 
-def load_model(cfg: RunConfig, run_dir: Path, for_training: bool = True):
-    """(model, tokenizer) of the base, 4-bit for QLoRA training, LoRA-wrapped for lora/qlora."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(cfg: RunConfig, run_dir: Path):
+    """(model, tokenizer) to train: ``hf_integration.loader.load_model`` on the base (NF4 for QLoRA,
+    LoRA attached for lora/qlora, patched; its errors say what is wrong with the source)."""
+    import dataclasses
+
+    from .hf_integration.loader import LoraSpec
+    from .hf_integration.loader import load_model as load
+
+    lora = None
+    if cfg.method != "full":
+        targets = cfg.lora.target_modules
+        lora = LoraSpec(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, seed=cfg.training.seed,
+                        target_modules=targets if isinstance(targets, str) else tuple(targets))
+    embedded = classify_model(cfg.model.base) == EMBEDDED
+    return load(_base_path(cfg, run_dir), load_in_4bit=cfg.method == "qlora", dtype=cfg.model.dtype, lora=lora,
+                # the embedded model declares a 64-token context; its rows are far shorter than max_length
+                max_seq_length=None if embedded else cfg.training.max_length, revision=cfg.model.revision,
+                fast_config=dataclasses.replace(cfg.fast, export_artifacts=(), push_to_hub=False))
+
+
+def _load_base(cfg: RunConfig, run_dir: Path):
+    """The 16-bit base of a run (also for QLoRA: a clean merge), unpatched, on the CPU."""
+    from transformers import AutoModelForCausalLM
 
     path = _base_path(cfg, run_dir)
-    hub = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    tok = AutoTokenizer.from_pretrained(path, **hub)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    dtype = _dtype(cfg.model.dtype)
-    kwargs: dict[str, Any] = dict(dtype=dtype, **hub)
-    if cfg.method == "qlora" and for_training:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if cfg.method in ("lora", "qlora") and for_training:
-        from peft import LoraConfig, get_peft_model
-
-        if cfg.method == "qlora":
-            from peft import prepare_model_for_kbit_training
-
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        lora = cfg.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-    return model, tok
+    return AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(cfg.model.dtype), revision=cfg.model.revision)
 
 
 def training_args(cfg: RunConfig, run_dir: Path):
@@ -247,9 +258,10 @@ def train(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
     """Runs a training job into ``run_dir``; returns the final state (status, metrics, urls)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "run_config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
-    (run_dir / "fast_config.json").write_text(json.dumps(cfg.fast.to_dict(), indent=2), encoding="utf-8")
-    (run_dir / "log_history.jsonl").write_text("", encoding="utf-8")
+    if _is_main_process():
+        (run_dir / "run_config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        (run_dir / "fast_config.json").write_text(json.dumps(cfg.fast.to_dict(), indent=2), encoding="utf-8")
+        (run_dir / "log_history.jsonl").write_text("", encoding="utf-8")
     write_state(run_dir, status="starting", pid=os.getpid(), started_at=time.time(), finished_at=None, step=0,
                 max_steps=cfg.training.max_steps, loss=[], error=None, urls={}, artifacts={}, metrics={},
                 run_name=cfg.run_name or run_dir.name, trainer=cfg.trainer, method=cfg.method)
@@ -299,28 +311,49 @@ def _run(cfg: RunConfig, run_dir: Path, stop: StopSignal):
         from .embedded import exact_match, make_task
 
         metrics["exact_match"] = exact_match(trainer.model, tok, make_task(64, seed=cfg.training.seed + 10_000))
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
     write_state(run_dir, metrics=metrics, step=trainer.state.global_step)
-    fast = cfg.fast
-    if not stop.requested and (fast.export_artifacts or fast.push_to_hub):
-        from .hf_integration.hub import export_after_training
+    if not _is_main_process():
+        return  # files, export and Hub work are rank 0's
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+    if stop.requested or not (cfg.fast.export_artifacts or cfg.fast.push_to_hub):
+        return
+    # Export and push from the run folder, as `fasttune export/push` do: the adapter goes onto a
+    # freshly loaded 16-bit base, so a QLoRA run merges cleanly instead of from dequantised NF4.
+    del trainer, model
+    _free_memory()
+    write_state(run_dir, status="exporting")
+    _export_and_push(cfg, run_dir)
 
-        write_state(run_dir, status="exporting")
-        out = export_after_training(trainer, _with_base_id(cfg)) or {}
-        write_state(run_dir, artifacts={k: str(v) for k, v in out.get("folders", {}).items()},
-                    urls=out.get("urls", {}))
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _export_and_push(cfg: RunConfig, run_dir: Path) -> None:
+    from .hf_integration.hub import HubPushError
+
+    fast = cfg.fast
+    pushed = set(fast.push_artifacts) if fast.push_to_hub else set()
+    local_only = [a for a in fast.export_artifacts if a not in pushed]  # push_run saves its own first
+    if local_only:
+        export_run(run_dir, local_only)
+    if fast.push_to_hub:
+        try:
+            push_run(run_dir)
+        except HubPushError as e:  # the trained model is saved: only the upload needs a retry
+            raise HubPushError(f"{e} Retry with: fasttune push {run_dir}", e.status_code, e.output_dir) from None
 
 
 def _hub_base_id(cfg: RunConfig) -> str | None:
     if cfg.fast.base_model_id:
         return cfg.fast.base_model_id
     return cfg.model.base if classify_model(cfg.model.base) == "hub" else None
-
-
-def _with_base_id(cfg: RunConfig):
-    import dataclasses
-
-    return dataclasses.replace(cfg.fast, base_model_id=_hub_base_id(cfg))
 
 
 # --- a finished run -----------------------------------------------------------------------------
@@ -339,8 +372,7 @@ def load_run(run_dir: str | Path):
     if (final / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        base, _ = load_model(cfg, run_dir, for_training=False)  # 16-bit even for QLoRA: a clean merge
-        model = PeftModel.from_pretrained(base, str(final))
+        model = PeftModel.from_pretrained(_load_base(cfg, run_dir), str(final))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(final), dtype=dtype)
     return cfg, model, tok
@@ -380,7 +412,8 @@ def export_run(run_dir: str | Path, artifacts=None, gguf_quantizations=None, mer
     if repo and "/" in repo:
         repos = {"adapter": f"{repo}-lora", "merged": repo, "gguf": f"{repo}-GGUF"}
         write_cards(folders, {k: repos[k] for k in folders}, tokenizer=tok, run_stats=_run_stats(run_dir),
-                    fast_config=cfg.fast, base_model_id=_hub_base_id(cfg), datasets=_datasets(cfg))
+                    fast_config=cfg.fast, base_model_id=_hub_base_id(cfg), datasets=_datasets(cfg),
+                    lora=hasattr(model, "peft_config"))
     out = {k: str(v) for k, v in folders.items()}
     write_state(run_dir, artifacts={**read_state(run_dir).get("artifacts", {}), **out})
     return out

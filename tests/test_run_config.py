@@ -53,11 +53,12 @@ def test_every_fast_config_field_is_in_the_fast_section():
     ({"training": {"learning_rate": "fast"}}, "training.learning_rate: expected a number, got 'fast'"),
     ({"training": {"learning_rate": 0}}, "training.learning_rate: must be > 0"),
     ({"training": {"per_device_train_batch_size": 0}}, "training.per_device_train_batch_size: must be >= 1"),
-    ({"lora": {"dropout": 1.5}}, "lora.dropout: must be <= 1"),
+    ({"lora": {"alpha": 0}}, "lora.alpha: must be > 0"),
     ({"lora": {"target_modules": []}}, "lora.target_modules: expected 'all-linear' or a non-empty list"),
-    ({"model": {"trust_remote_code": "yes"}}, "model.trust_remote_code: expected true or false"),
-    ({"model": "gpt2"}, "model: expected a mapping of base, revision, dtype, trust_remote_code"),
-    ({"fast": {"checkpointing": "sometimes"}}, "fast.checkpointing: 'sometimes' is not one of recompute, offload, auto"),
+    ({"model": "gpt2"}, "model: expected a mapping of base, revision, dtype"),
+    ({"lora": {"dropout": 1}}, "lora.dropout: must be < 1"),
+    ({"fast": {"checkpointing": "sometimes"}},
+     "fast.checkpointing: 'sometimes' is not one of recompute, offload, auto"),
     ({"fast": {"export_artifacts": ["onnx"]}}, "fast.export_artifacts: 'onnx' is not one of adapter, merged, gguf"),
     ({"fast": {"push_to_hub": True}}, "fast.push_to_hub=True needs hub_model_id"),
     ({"fast": {"rms_norm": "off"}}, "fast.rms_norm: expected true or false"),
@@ -152,6 +153,22 @@ def test_check_sources_reports_paths_offline_hub_ids_and_columns(tmp_path, monke
     assert check_sources(cfg) == []
 
 
+def test_check_sources_needs_the_optional_packages_a_run_uses(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("llama_cpp", "bitsandbytes") else real(name, *a))
+    cfg = RunConfig.from_dict({"method": "qlora", "fast": {"export_artifacts": ["gguf"],
+                                                           "gguf_quantizations": ["q8_0", "q4_k_m"]}})
+    assert check_sources(cfg) == [
+        "method: 'qlora' needs bitsandbytes (pip install 'fasttune[qlora]')",
+        "fast.gguf_quantizations: q4_k_m need llama-cpp-python (pip install 'fasttune[gguf-kquants]'; see the "
+        "README for its build flags)"]
+    cfg = RunConfig.from_dict({"fast": {"gguf_quantizations": ["q4_k_m"]}})  # no gguf artifact: no need
+    assert check_sources(cfg) == []
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "examples" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(path):
     cfg = load_run_config(path)
@@ -166,3 +183,12 @@ def test_validation_imports_no_ml_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("all-linear", "all-linear"), ("q_proj", ["q_proj"]), (r".*\.(q|v)_proj", r".*\.(q|v)_proj"),
+    (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+])
+def test_target_modules_bare_name_becomes_a_list(value, expected):
+    # PEFT full-matches a string against whole module paths, so "q_proj" alone would match nothing.
+    assert RunConfig.from_dict({"lora": {"target_modules": value}}).lora.target_modules == expected

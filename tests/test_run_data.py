@@ -38,7 +38,7 @@ def test_embedded_rows_per_trainer():
     sft = run_data.embedded_rows("sft", 5, seed=1)
     dpo = run_data.embedded_rows("dpo", 5, seed=1)
     assert set(sft[0]) == {"prompt", "completion"} and set(dpo[0]) == {"prompt", "chosen", "rejected"}
-    for s, d in zip(sft, dpo):
+    for s, d in zip(sft, dpo, strict=True):
         word = s["prompt"].split()[1]
         assert d["chosen"] == s["completion"] != d["rejected"] == " " + word
     assert run_data.available_columns("embedded", "dpo") == ["prompt", "chosen", "rejected"]
@@ -48,7 +48,8 @@ def test_embedded_rows_per_trainer():
     ("sft", ["id", "prompt", "completion", "text"], {"prompt": "prompt", "completion": "completion"}),
     ("sft", ["id", "messages"], {"messages": "messages"}),
     ("sft", ["text"], {"text": "text"}),
-    ("dpo", ["prompt", "chosen", "rejected", "score"], {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
+    ("dpo", ["prompt", "chosen", "rejected", "score"],
+     {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
     ("dpo", ["chosen", "rejected"], {"chosen": "chosen", "rejected": "rejected"}),
 ])
 def test_formats_are_detected_from_column_names(trainer, columns, expected):
@@ -68,8 +69,8 @@ def test_column_errors_name_the_role_and_the_columns():
 def test_load_train_dataset_renames_selects_and_limits(tmp_path):
     rows = [{"id": i, "q": f"q{i}", "good": f"g{i}", "bad": f"b{i}"} for i in range(9)]
     path = _write_jsonl(tmp_path / "prefs.jsonl", rows)
-    cfg = RunConfig.from_dict({"trainer": "dpo", "data": {"dataset": str(path), "max_samples": 4,
-                                                          "columns": {"prompt": "q", "chosen": "good", "rejected": "bad"}}})
+    columns = {"prompt": "q", "chosen": "good", "rejected": "bad"}
+    cfg = RunConfig.from_dict({"trainer": "dpo", "data": {"dataset": str(path), "max_samples": 4, "columns": columns}})
     ds = run_data.load_train_dataset(cfg)
     assert ds.column_names == ["prompt", "chosen", "rejected"] and len(ds) == 4
     assert ds[3] == {"prompt": "q3", "chosen": "g3", "rejected": "b3"}

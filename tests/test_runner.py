@@ -31,6 +31,16 @@ def test_state_file_merges_updates_atomically(tmp_path):
     assert runner.read_state(tmp_path) == {}
 
 
+def test_other_ranks_never_write_state_json(tmp_path, monkeypatch):
+    runner.write_state(tmp_path, status="running", step=3)
+    monkeypatch.setenv("RANK", "1")
+    runner.write_state(tmp_path, status="running", step=5)
+    assert runner.read_state(tmp_path)["step"] == 5
+    monkeypatch.setenv("RANK", "0")
+    assert runner.read_state(tmp_path)["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".state.rank1.json", "state.json"]
+
+
 def test_stop_signal_stops_at_step_end_inside_the_loop_and_at_once_outside():
     stop = runner.StopSignal().install()
     try:

@@ -23,6 +23,9 @@ import pytest
 
 from fasttune.run_config import RunConfig
 
+pytest.importorskip("gradio", reason="the Space needs the 'space' extra (gradio)")
+pytest.importorskip("gradio_client", reason="the API tests need gradio_client (installed with gradio)")
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "space" / "app.py"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -202,6 +205,7 @@ def test_api_validates_configs(space):
 
 
 def _browser(tmp_path):
+    pytest.importorskip("playwright", reason="browser tests need playwright (the 'dev' extra)")
     from playwright.sync_api import sync_playwright
 
     pw = sync_playwright().start()
@@ -230,7 +234,20 @@ def test_browser_trains_watches_the_loss_and_pushes(space, hub, tmp_path):
         page.goto(space.url)
         page.wait_for_selector("#start")
         page.wait_for_function("document.querySelector('#data-msg')?.innerText.includes('prompt, completion')")
+        # an uploaded file: previewed, its columns checked against the trainer's formats before launch
+        upload = tmp_path / "qa.jsonl"
+        rows = [{"question": "shift: ab =", "answer": " bc"}, {"question": "shift: yz =", "answer": " za"}]
+        upload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        page.locator("#upload input[type=file]").set_input_files(str(upload))
+        page.wait_for_function("document.querySelector('#data-msg')?.innerText.includes('hold no sft format')")
+        assert "shift: yz =" in page.locator("#preview").inner_text()
+        assert Path(page.locator("#dataset input, #dataset textarea").first.input_value()).parent.name == "uploads"
+        page.locator("#validate").click()
+        page.wait_for_function("document.querySelector('#action-msg')?.innerText.includes('Fix before starting')")
+        page.locator("#dataset input, #dataset textarea").first.fill("embedded")
+        page.wait_for_function("document.querySelector('#data-msg')?.innerText.includes('prompt, completion')")
         page.locator("#training-max_steps input").fill("24")
+        page.locator("#training-per_device_train_batch_size input").fill("16")
         page.locator("#push input[type=checkbox]").check()
         page.locator("#hub-id input, #hub-id textarea").first.fill("tester/space-run")
         # model card preview and the YAML round trip, before the run
@@ -238,7 +255,8 @@ def test_browser_trains_watches_the_loss_and_pushes(space, hub, tmp_path):
         page.wait_for_function("document.querySelector('#card-preview')?.innerText.includes('tester/space-run')")
         page.get_by_text("YAML (same format as").click()
         page.locator("#export-yaml").click()
-        page.wait_for_function("document.querySelector('#yaml-box')?.innerText.includes('hub_model_id: tester/space-run')")
+        page.wait_for_function(
+            "document.querySelector('#yaml-box')?.innerText.includes('hub_model_id: tester/space-run')")
         assert "max_steps: 24" in page.locator("#yaml-box").inner_text()
         page.locator("#training-max_steps input").fill("5")
         page.locator("#import-yaml").click()

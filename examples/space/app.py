@@ -7,9 +7,10 @@ subprocess (stoppable); logs, progress and the loss curve stream in; runs are ke
 restarted Space shows the last run and its result. The form round-trips to the CLI's YAML run
 config ("Export YAML" / "Import YAML"), so a run set up here reruns with ``fasttune train``.
 
-Environment: FASTTUNE_SPACE_RUNS (runs folder, default ./runs), HF_TOKEN (pushes; a token typed in
-the form is passed to the run's process only), HF_HUB_OFFLINE (Hub ids are refused with a clear
-message), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT.
+Environment: FASTTUNE_SPACE_RUNS (runs folder; default /data/fasttune-runs on a Space with
+persistent storage, else ./runs), HF_TOKEN (pushes; a token typed in the form is passed to the
+run's process only), HF_HUB_OFFLINE (Hub ids are refused with a clear message),
+GRADIO_SERVER_NAME / GRADIO_SERVER_PORT.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from fasttune.run_config import (DTYPES, EMBEDDED, FORMATS, METHODS, OPTIMIZERS,
 
 ROLES = ("prompt", "completion", "messages", "text", "chosen", "rejected")
 HELP = field_help()
-JOBS = Jobs(os.environ.get("FASTTUNE_SPACE_RUNS", "runs"))
+# On Hugging Face Spaces with persistent storage, /data survives restarts; elsewhere ./runs.
+JOBS = Jobs(os.environ.get("FASTTUNE_SPACE_RUNS") or ("/data/fasttune-runs" if os.path.isdir("/data") else "runs"))
 
 
 # --- form <-> run config ------------------------------------------------------------------------
@@ -60,13 +62,13 @@ def _path_set(d: dict, path: str, value) -> None:
 
 def form_to_dict(paths: list[str], values: list[Any]) -> dict[str, Any]:
     """The run-config mapping the form describes (not yet validated)."""
-    given = dict(zip(paths, values))
+    given = dict(zip(paths, values, strict=True))
     # "*" holds the last imported config: fields the form does not show survive the round trip.
     data: dict[str, Any] = copy.deepcopy(given.get("*") or {})
     data.setdefault("data", {})["columns"] = {}
     trainer = given.get("trainer", "sft")
     roles = {r for fmt in FORMATS.get(trainer, ()) for r in fmt}
-    for path, value in zip(paths, values):
+    for path, value in zip(paths, values, strict=True):
         if path == "*":
             continue
         if path.startswith("data.columns."):
@@ -76,7 +78,7 @@ def form_to_dict(paths: list[str], values: list[Any]) -> dict[str, Any]:
             continue
         if path == "lora.target_modules":
             items = [v.strip() for v in str(value or "").split(",") if v.strip()]
-            value = items[0] if len(items) == 1 else items
+            value = items[0] if len(items) == 1 else items  # run_config turns a bare name into a list
         elif path == "training.bf16":
             value = {"true": True, "false": False}.get(value, value)
         elif path == "fast.checkpointing":
@@ -151,7 +153,7 @@ def preview(dataset: str, trainer: str, *current_roles):
         columns = run_data.available_columns(dataset, trainer)
     except (ValueError, OSError) as e:
         return pd.DataFrame(), f"❌ {e}", *[gr.update(visible=r in roles) for r in ROLES]
-    mapping = dict(zip(ROLES, current_roles))
+    mapping = dict(zip(ROLES, current_roles, strict=True))
     if not any(mapping.get(r) in columns for r in roles):  # nothing mapped yet: detect a format
         try:
             mapping = run_data.resolve_columns(trainer, {}, columns)
@@ -198,10 +200,14 @@ def card_preview(kind: str, paths, values) -> str:
         return f"No {kind} artifact for method {cfg.method}."
     files = [{"file": f"{repo.split('/')[-1]}-{q.upper()}.gguf", "quant": q.upper(), "size": "…"}
              for q in cfg.fast.gguf_quantizations]
-    return render_card(kind, repo_id=repos[kind], repos=repos, base_model_id=hub_id_or_none(cfg.model.base),
+    text = render_card(kind, repo_id=repos[kind], repos=repos, base_model_id=hub_id_or_none(cfg.model.base),
                        datasets=[cfg.data.dataset] if classify_dataset(cfg.data.dataset) == "hub" else [],
                        stats={}, fast_config=cfg.fast.to_dict(), gguf_files=files,
                        loss_curve_note="The loss curve and training statistics are filled in after the run.")
+    if text.startswith("---\n"):  # show the Hub metadata as YAML, not as Markdown rules and headings
+        front, body = text[4:].split("\n---\n", 1)
+        text = f"```yaml\n{front}\n```\n{body}"
+    return text
 
 
 # --- run panel ------------------------------------------------------------------------------------
@@ -331,7 +337,8 @@ def build_app() -> gr.Blocks:
                         dataset = add("data.dataset", gr.Textbox(defaults.data.dataset, label="Dataset", scale=3,
                                                                  info=HELP["data.dataset"], elem_id="dataset"))
                         upload = gr.File(label="…or upload .json/.jsonl/.csv/.parquet", scale=2,
-                                         file_types=[".json", ".jsonl", ".csv", ".parquet"], type="filepath")
+                                         file_types=[".json", ".jsonl", ".csv", ".parquet"], type="filepath",
+                                         elem_id="upload")
                     trainer = add("trainer", gr.Radio(list(TRAINERS), value=defaults.trainer, label="Trainer",
                                                       info=HELP["trainer"], elem_id="trainer"))
                     with gr.Row():
@@ -340,7 +347,8 @@ def build_app() -> gr.Blocks:
                             visible=r in FORMATS[defaults.trainer][0] or r in ("messages", "text")))
                             for r in ROLES]
                     data_msg = gr.Markdown(elem_id="data-msg")
-                    table = gr.Dataframe(label="Preview (first rows)", interactive=False, max_height=220)
+                    table = gr.Dataframe(label="Preview (first rows)", interactive=False, max_height=220,
+                                         elem_id="preview")
                 with gr.Group():
                     with gr.Row():
                         add("method", gr.Radio(list(METHODS), value=defaults.method, label="Method",
@@ -391,7 +399,7 @@ def build_app() -> gr.Blocks:
                     with gr.Row():
                         add("model.revision", gr.Textbox("", label="Model revision", info=HELP["model.revision"]))
                         add("model.dtype", gr.Dropdown(list(DTYPES), value="auto", label="Model dtype"))
-                        add("model.trust_remote_code", gr.Checkbox(False, label="Trust remote code"))
+                    with gr.Row():
                         add("data.config_name", gr.Textbox("", label="Dataset config", info=HELP["data.config_name"]))
                         add("data.split", gr.Textbox("train", label="Dataset split"))
                 with gr.Accordion("Export and push", open=True):
@@ -450,9 +458,11 @@ def build_app() -> gr.Blocks:
         start_btn.click(lambda tok, *vals: start_run(paths, list(vals), tok), [token, *comps], action_msg).then(
             run_view, None, view)
         stop_btn.click(lambda: _stopped_msg(JOBS.stop()), None, action_msg).then(run_view, None, view)
-        gr.Timer(1.0).tick(run_view, None, view)
-        demo.load(run_view, None, view)
-        demo.load(preview, [dataset, trainer, *role_boxes], [table, data_msg, *role_boxes])
+        # Polls files only: cheap, so no concurrency limit (several open tabs never queue behind each other).
+        gr.Timer(1.0).tick(run_view, None, view, show_progress="hidden", concurrency_limit=None,
+                           api_visibility="private")
+        demo.load(run_view, None, view, api_visibility="private")
+        demo.load(preview, [dataset, trainer, *role_boxes], [table, data_msg, *role_boxes], api_visibility="private")
         gr.api(api_validate, api_name="validate")
         gr.api(api_start, api_name="start")
         gr.api(api_stop, api_name="stop")

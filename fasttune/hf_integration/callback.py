@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from transformers import TrainerCallback
 
@@ -48,6 +49,11 @@ class FastPatchCallback(TrainerCallback):
         ckpt = layer_checkpointing(model) if model is not None else None
         if ckpt is not None:
             ckpt.reclaim()
+        # TRL adds its fused LM head after on_init_end, over ours: put ours back on top with TRL's settings.
+        if model is not None and self.report is not None and "trl" in sys.modules:
+            from .trl import attach_trl_head
+
+            attach_trl_head(model, args, self.config)
         return control
 
 

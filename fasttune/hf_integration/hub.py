@@ -299,8 +299,10 @@ def export_artifacts(model, tokenizer, root: str | Path, artifacts: Sequence[str
 
 
 def write_cards(folders: dict[str, Path], repos: dict[str, str], *, tokenizer=None, run_stats=None,
-                fast_config=None, base_model_id=None, datasets=None, endpoint: str | None = None) -> None:
-    """README.md (+ loss_curve.png, + Modelfile for GGUF) in each artifact folder."""
+                fast_config=None, base_model_id=None, datasets=None, endpoint: str | None = None,
+                lora: bool = True) -> None:
+    """README.md (+ loss_curve.png, + Modelfile for GGUF) in each artifact folder; ``lora`` says
+    whether the run trained adapters (the merged card then says they were merged) or all weights."""
     from fasttune.hub_cards import render_card
 
     if endpoint is None:
@@ -315,7 +317,7 @@ def write_cards(folders: dict[str, Path], repos: dict[str, str], *, tokenizer=No
         ctx = dict(repo_id=repos[kind], repos=repos, endpoint=endpoint, base_model_id=base_model_id,
                    datasets=list(datasets or []), stats=stats, fast_config=config,
                    loss_curve=None if note else "loss_curve.png", loss_curve_note=note,
-                   chat_template=getattr(tokenizer, "chat_template", None))
+                   chat_template=getattr(tokenizer, "chat_template", None), lora=lora)
         if kind == "gguf":
             files = sorted(folder.glob("*.gguf"), key=_gguf_rank)  # the usage snippets show the first
             ctx["gguf_files"] = [{"file": f.name, "quant": _quant_of(f), "size": _human(f.stat().st_size)}
@@ -377,7 +379,7 @@ def push_to_hub(model, tokenizer, repo_id: str, *, artifacts: Sequence[str] = AR
     repos = {"adapter": f"{repo_id}-lora", "merged": repo_id, "gguf": f"{repo_id}-GGUF"}
     repos = {k: v for k, v in repos.items() if k in folders}
     write_cards(folders, repos, tokenizer=tokenizer, run_stats=run_stats, fast_config=fast_config,
-                base_model_id=base_model_id, datasets=datasets)
+                base_model_id=base_model_id, datasets=datasets, lora=hasattr(model, "peft_config"))
     urls = {}
     for kind in ("merged", "gguf", "adapter"):
         if kind not in folders:
@@ -430,5 +432,5 @@ def export_after_training(trainer, fast_config) -> dict[str, Any] | None:
         repos = {k: v for k, v in {"adapter": f"{repo}-lora", "merged": repo, "gguf": f"{repo}-GGUF"}.items()
                  if k in folders}
         write_cards(folders, repos, tokenizer=tokenizer, run_stats=stats, fast_config=fast_config,
-                    base_model_id=base_model_id, datasets=datasets)
+                    base_model_id=base_model_id, datasets=datasets, lora=hasattr(model, "peft_config"))
     return {"folders": folders, "urls": {}}

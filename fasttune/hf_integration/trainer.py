@@ -11,6 +11,7 @@ from ..config import FastConfig
 from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
 from .callback import log_report
+from .distributed import set_ddp_defaults
 from .throughput import ThroughputMeter
 
 logger = logging.getLogger("fasttune")
@@ -44,6 +45,7 @@ class FastTrainerMixin:
     def _fast_before_init(self, args, kwargs, fast_config: FastConfig | None) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.fast_config = resolve_checkpointing(training_args, fast_config or FastConfig())
+        set_ddp_defaults(training_args, self.fast_config)  # before the Trainer builds its DDP kwargs
 
     def _fast_after_init(self) -> None:
         self.patch_report = patch_model(self.model, self.fast_config)
@@ -65,6 +67,17 @@ class FastTrainerMixin:
         if self.fast_config.log_throughput and "loss" in logs:
             logs.update(self._throughput.read())
         super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # compute_metrics needs logits even if the caller left the model in training mode.
+        head = head_forward(find_causal_lm(model))
+        if head is None or prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        saved, head.return_logits = head.return_logits, True
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            head.return_logits = saved
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)

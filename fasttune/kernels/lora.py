@@ -282,7 +282,8 @@ class LoRALinearFunction(torch.autograd.Function):
         (y,) = project(x2, (base,), adapters, xa, None)
         ctx.save_for_backward(x, xa, lora_a, lora_b)
         ctx.base, ctx.scaling = base, scaling
-        return y.view(*x.shape[:-1], out_f)
+        # Not a view of an internal buffer: callers (RoPE, in place) may modify outputs in place.
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], out_f))
 
     @staticmethod
     def backward(ctx, dy):
@@ -343,7 +344,8 @@ class LoRAQKVFunction(torch.autograd.Function):
         ys = project(x2, bases, adapters, xa, scratch_for(bases, x.dtype, x.device))
         ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv)
         ctx.bases, ctx.scalings = bases, scalings
-        return tuple(y.view(*x.shape[:-1], base.shape[0]) for y, base in zip(ys, bases))
+        # Not views of internal buffers: RoPE rotates q/k in place right after.
+        return tuple(torch.ops.aten._unsafe_view(y, (*x.shape[:-1], base.shape[0])) for y, base in zip(ys, bases))
 
     @staticmethod
     def backward(ctx, dq, dk, dv):

@@ -160,7 +160,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         (y,) = project(h, (down,), d_adapters, ha, scratch)
         ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd)
         ctx.bases, ctx.scalings, ctx.act, ctx.consumed = bases, scalings, act, False
-        return y.view(*x.shape[:-1], down.shape[0])
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], down.shape[0]))  # not a view: safe to modify in place
 
     @staticmethod
     def backward(ctx, dy):

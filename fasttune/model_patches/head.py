@@ -69,12 +69,25 @@ class FusedLossCausalLMForward(PatchedForward):
 
     # -- helpers ------------------------------------------------------------------------------
     def _head_params(self):
+        """(weight, bias) of the lm_head as the fused loss needs them (whole), or None: stock path.
+
+        DDP and an unsharded FSDP unit: the parameters as they are. FSDP2 outside lm_head's unit
+        (its forward never runs): the unit is unsharded here, see ``_gathered_dtensor_params``.
+        DeepSpeed ZeRO-3: used only when gathered for this module's forward and backward
+        (``hf_integration.distributed.register_zero3_lm_head``), else stock: lm_head's own
+        forward gathers it. FSDP1's empty views outside their unit: stock.
+        """
         head = self.module.get_output_embeddings()
-        if type(head) is not nn.Linear:
+        if not _is_linear(head):
             return None  # a LoRA-wrapped or quantised lm_head: stock path
-        if type(head.weight.data) is not torch.Tensor:
-            return None  # a sharded (DTensor) weight: the stock path gathers it
-        return head.weight, head.bias
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "ds_id"):
+            return (weight, bias) if _zero3_ready(self.module, weight, bias) else None
+        if _is_local(weight) and _is_local(bias):
+            return (weight, bias) if weight.numel() > 0 else None
+        if not (self.module.training and torch.is_grad_enabled()):
+            return None  # evaluation, generation: lm_head's own forward gathers what it needs
+        return _gathered_dtensor_params(head)
 
     def _backbone(self, args, kwargs):
         backbone = getattr(self.module, self.module.base_model_prefix)
@@ -140,8 +153,8 @@ class FusedLossCausalLMForward(PatchedForward):
 
     # -- TRL's fused-LM-head protocol ----------------------------------------------------------
     def _answers_fused(self, params, kwargs) -> bool:
-        if (params is None or params[0].dtype not in _KERNEL_DTYPES or not self.fused_logprobs
-                or kwargs.get("output_router_logits")):
+        moe_aux = kwargs.get("output_router_logits") or getattr(self.module.config, "output_router_logits", False)
+        if params is None or params[0].dtype not in _KERNEL_DTYPES or not self.fused_logprobs or moe_aux:
             return False  # MoE aux loss, wrapped head, float64 or option off: TRL's head (if any) answers
         if self.trl_settings is not None or not provides_fused_head(self.stock):
             return True  # configured, or nobody configured another temperature: TRL's defaults
@@ -169,6 +182,69 @@ class FusedLossCausalLMForward(PatchedForward):
         mask = (y != IGNORE_INDEX).view(shape)[..., keep]
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedLMHeadOutput(loss=-per_token["log_probs"].sum() / denom, label_mask=mask, **per_token)
+
+
+# -- the lm_head's parameters under DDP, FSDP2 and ZeRO-3 (for _head_params) ---------------------
+def _fsdp_module_class():
+    """torch's FSDP2 ``FSDPModule``, or None when torch is built without torch.distributed."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _is_linear(head) -> bool:
+    """A plain ``nn.Linear``, also once ``fully_shard(lm_head)`` made it ``FSDPLinear(FSDPModule, nn.Linear)``."""
+    if type(head) is nn.Linear:
+        return True
+    fsdp = _fsdp_module_class() if isinstance(head, nn.Linear) else None
+    return fsdp is not None and type(head).__bases__ == (fsdp, nn.Linear)
+
+
+def _is_local(t) -> bool:
+    """None, or a tensor whose data is a plain ``torch.Tensor`` (not a DTensor shard)."""
+    return t is None or type(t.data) is torch.Tensor
+
+
+def _zero3_ready(module: nn.Module, *params) -> bool:
+    """ZeRO-3 parameters gathered now and kept gathered through backward: persistent ones, or
+    external parameters of ``module`` (DeepSpeed gathers those around its forward and backward)."""
+    external = getattr(module, "ds_external_parameters", None)
+    registered = [p for _, p in external()] if callable(external) else []
+    for p in params:
+        if p is None:
+            continue
+        if getattr(getattr(p, "ds_status", None), "name", None) != "AVAILABLE" or p.numel() == 0:
+            return False
+        if not (getattr(p, "ds_persist", False) or any(p is q for q in registered)):
+            return False
+    return True
+
+
+def _gathered_dtensor_params(head: nn.Module):
+    """(weight, bias) of an lm_head holding DTensor shards, whole for this forward; None if not possible.
+
+    An FSDP2 unit is unsharded as its own forward would do it (the mixed-precision policy's
+    param_dtype reaches the kernel); its post-backward, which the root's final callback runs for a
+    unit whose forward did not, reduce-scatters the gradient and reshards. A DTensor that stays
+    sharded (a tied weight of another unit, tensor parallelism) is gathered with ``full_tensor``;
+    its gradient is averaged over the ranks and scattered back to the shards, FSDP's reduction.
+    """
+    fsdp = _fsdp_module_class()
+    if fsdp is None:
+        return None
+    if isinstance(head, fsdp):
+        head.unshard()
+    from torch.distributed.tensor import DTensor, Partial
+
+    def whole(t):
+        if isinstance(t, DTensor):
+            return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
+        return t
+
+    weight, bias = whole(head.weight), whole(head.bias)
+    return (weight, bias) if _is_local(weight) and _is_local(bias) else None
 
 
 def patch_head(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:

@@ -159,21 +159,21 @@ def _scatter(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _no_grad_stats(h, y, weight, bias, names, T, softcap, logit_scale, workspace_mib) -> dict[str, torch.Tensor]:
     """is_top1 / mean_logits / log_sum_sq_probs of the labelled rows, never more than a workspace
-    of logits at a time (three fp32 copies of a chunk: logits, 2·logits, their exponentials)."""
+    of logits at a time (≤ 16 bytes per logit alive: the product, fp32 logits, 2·logits, exp)."""
     scale = 1.0 if logit_scale is None else logit_scale
     out: dict[str, torch.Tensor] = {}
     names = set(names)
     if "mean_logits" in names and softcap is None:
         # mean_j (s/T)(h·W_j + b_j) = (s/T)(h · mean_j W_j + mean_j b_j): no [N, V] product needed.
-        w_mean = weight.float().mean(0)
-        b_mean = bias.float().mean() if bias is not None else 0.0
+        w_mean = weight.mean(0, dtype=torch.float32)  # accumulates in fp32 without an fp32 copy of W
+        b_mean = bias.mean(dtype=torch.float32) if bias is not None else 0.0
         out["mean_logits"] = (h.float() @ w_mean + b_mean) * (scale / T)
         names.discard("mean_logits")
     if not names:
         return out
     N, V = h.shape[0], weight.shape[0]
     budget = (1024 if workspace_mib is None else workspace_mib) * 2 ** 20
-    step = max(1, int(budget // (12 * V)))
+    step = max(1, int(budget // (16 * V)))
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     for start in range(0, N, step):
         z = h[start:start + step] @ weight.t()

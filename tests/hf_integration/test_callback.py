@@ -50,6 +50,8 @@ def test_callback_on_sft_trainer_keeps_losses_and_metrics(tmp_path):
     stock = _sft(tmp_path / "s", [])
     assert cb.report.patched["cross_entropy"] == 1
     fast.train(), stock.train()
+    # TRL installs its own fused head after on_init_end; the callback puts ours back on top.
+    assert head_forward(fast.model) is not None
     fa = [h for h in fast.state.log_history if "loss" in h]
     st = [h for h in stock.state.log_history if "loss" in h]
     assert len(fa) == len(st) == 3

@@ -71,3 +71,16 @@ def test_checkpointing_flag_maps_onto_fast_config(tmp_path):
     assert resolve_checkpointing(args2, FastConfig()).checkpointing is None
     cfg3 = resolve_checkpointing(_args(tmp_path, gradient_checkpointing=True), FastConfig(checkpointing="recompute"))
     assert cfg3.checkpointing == "recompute"
+
+
+def test_prediction_step_returns_logits_even_in_training_mode(tmp_path):
+    model = tiny_model("llama")
+    rows = random_lm_rows(model.config.vocab_size, n=4)
+    trainer = FastTrainer(model=model, args=_args(tmp_path), train_dataset=rows, data_collator=PadCollator(0))
+    batch = PadCollator(0)(rows)
+    trainer.model.train()
+    loss, logits, labels = trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
+    assert logits is not None and logits.shape[-1] == model.config.vocab_size
+    assert head_forward(trainer.model).return_logits is False  # restored
+    loss_only, no_logits, _ = trainer.prediction_step(trainer.model, batch, prediction_loss_only=True)
+    assert no_logits is None and torch.allclose(loss_only, loss, rtol=1e-6)

@@ -153,3 +153,12 @@ def test_hub_cards_imports_only_jinja2_and_stdlib():
                 continue
             bad = [r for r in roots if r != "jinja2" and r not in sys.stdlib_module_names]
             assert not bad, f"{path.name} imports {bad}"
+
+
+def test_merged_card_names_the_method():
+    from fasttune.hub_cards import render_card
+
+    lora = render_card("merged", repo_id="me/m", repos={"merged": "me/m"}, lora=True)
+    full = render_card("merged", repo_id="me/m", repos={"merged": "me/m"}, lora=False)
+    assert "fine-tuned with LoRA" in lora and "adapter merged" in lora
+    assert "fully fine-tuned" in full and "LoRA" not in full.split("---")[-1].split("## Usage")[0]

@@ -86,7 +86,8 @@ def test_lora_parity(model_type, device):
     stock = _lora(tiny_model(model_type, seed=2).to(device))
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type), str(report)
+    lora_counts = {"lora_qkv": LAYERS, "lora_o": LAYERS, "lora_mlp": LAYERS}
+    assert dict(report.patched) == {**expected_counts(model_type), **lora_counts}, str(report)
     assert report.fallbacks == [], str(report)
     trainable = [n for n, p in fast.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

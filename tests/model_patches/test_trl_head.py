@@ -25,9 +25,11 @@ def _trl_head():
 
 
 
-def _ref_fields(hidden, weight, labels, T, softcap=None, scale=None):
+def _ref_fields(hidden, weight, labels, T, softcap=None, scale=None, bias=None):
     """float64 oracle: every TRL field over flat rows (0 where ignored)."""
     z = hidden.double() @ weight.double().t()
+    if bias is not None:
+        z = z + bias.double()
     if scale is not None:
         z = z * scale
     if softcap is not None:
@@ -57,10 +59,11 @@ def test_fields_match_float64(device, case):
     labels = labels.to(device)
     softcap = 3.0 if case == "logprobs_softcap" else None
     T = 1.0 if case == "logprobs_softcap" else 0.7
+    bias = torch.randn(V, generator=g).to(device) if case == "logprobs_temperature" else None
     # one_pass: SFT/DPO-style settings (entropy detached) → the cross-entropy kernel with stats.
     settings = TrlHeadSettings(T, FIELDS, entropy_grad=case != "one_pass")
-    got = fused_lm_head_fields(hidden, labels, weight, None, settings, softcap=softcap, logit_scale=0.9)
-    ref = _ref_fields(hidden, weight, labels, T, softcap, 0.9)
+    got = fused_lm_head_fields(hidden, labels, weight, bias, settings, softcap=softcap, logit_scale=0.9)
+    ref = _ref_fields(hidden, weight, labels, T, softcap, 0.9, bias)
     for name in FIELDS:
         if name == "is_top1":
             assert torch.equal(got[name], ref[name])
@@ -108,21 +111,21 @@ GRPO = ("log_probs", "entropy")
     dict(family="llama", T=0.7, outputs=GRPO, entropy_grad=True, shift=True),  # pre-shifted labels (CP)
     dict(family="qwen2", T=0.7, outputs=GRPO, entropy_grad=True, fp32_head=True),  # cast_lm_head_to_fp32
 ], ids=["dpo-wpo-bigvocab", "grpo-softcap", "granite-scale", "shift-labels", "fp32-head-autocast"])
-def test_head_matches_trls_own_head(case):
+def test_head_matches_trls_own_head(case, device):
     """fasttune's head over TRL's (Fast*Trainer order) vs TRL's head: fields and gradients."""
     T, outputs, grad_ent, fp32 = case["T"], case["outputs"], case["entropy_grad"], case.get("fp32_head", False)
-    stock = tiny_model(case["family"], vocab_size=case.get("vocab", 1_003))
+    stock = tiny_model(case["family"], vocab_size=case.get("vocab", 1_003)).to(device)
     _trl_head()(stock, temperature=T, outputs=outputs, cast_lm_head_to_fp32=fp32)
     fast = copy.deepcopy(stock)
     patch_model(fast, HEAD_ONLY)
     assert provides_fused_head(head_forward(fast).stock)
     assert configure_trl_head(fast, TrlHeadSettings(T, outputs, entropy_grad=grad_ent, fp32_head=fp32))
-    batch = make_batch(stock.config.vocab_size, seed=7)
+    batch = make_batch(stock.config.vocab_size, seed=7, device=device)
     if case.get("shift"):
         labels = batch.pop("labels")
         batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
     # GRPO's cast_lm_head_to_fp32 matters under autocast: the backbone in bf16, the head in fp32.
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if fp32 else torch.autocast("cpu", enabled=False)
+    ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=fp32)
     with ctx:
         a, b = fast(**batch, fused_lm_head=True), stock(**batch, fused_lm_head=True)
     assert torch.equal(a.label_mask, b.label_mask)

@@ -1,0 +1,468 @@
+"""One LoRA / QLoRA training step on a Llama-3.1-8B shape: fasttune vs stock HF+PEFT, Liger and Unsloth (H200).
+
+A step = forward (bf16 autocast, as Trainer(bf16=True) runs it), backward and a fused AdamW step
+on the adapters, on random tokens (labels = inputs). Model: random-init Llama-3.1-8B shape (all
+32 layers, V = 128,256), built in bf16 on the GPU (no download); LoRA r=16, alpha 16, dropout 0
+on all seven projections; activation checkpointing on. Two kinds of base weights: bf16, and NF4
+(every decoder Linear replaced by a bitsandbytes ``Linear4bit`` quantised from the same random
+bf16 weights: double quantisation, blocksize 64, bf16 compute). Shapes 4×2048 and 1×8192.
+
+Stacks (each in its own process: Liger and Unsloth patch transformers' modules globally):
+  hf        stock transformers + PEFT, HF checkpointing (non-reentrant)
+  liger     hf + ``liger_kernel.transformers._apply_liger_kernel_to_instance`` (RMSNorm, RoPE,
+            SwiGLU, fused linear cross-entropy), HF checkpointing
+  fasttune  ``patch_model(model, FastConfig(checkpointing=...))``: every kernel including fused
+            LoRA QKV/O/MLP with NF4 dequantised on the fly; fasttune's checkpointing ("offload"
+            by default, ``--checkpointing recompute``)
+  unsloth   ``FastLanguageModel.from_pretrained(dir, load_in_4bit=...)`` + ``get_peft_model(...,
+            use_gradient_checkpointing="unsloth")``; needs a checkpoint, so the hf worker first
+            saves the random bf16 model (with a tiny tokenizer) to ``--ckpt-dir`` (16 GB, reused
+            when present). Optional: a row says so when unsloth does not import.
+
+Columns: median ms per step over ``--steps`` (5) after ``--warmup`` (2), tokens/s, peak GPU memory
+allocated over the timed steps (weights, adapters, AdamW states and activations; Unsloth and
+fasttune "offload" also hold pinned host memory), and the loss of the first step (adapters' B
+starts at 0, so every stack computes the same function there: a sanity check across stacks).
+
+``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
+fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
+in the JSON; ``--trace DIR`` also writes Chrome traces there.
+
+Usage (H200, repo root; peers from the carried wheels, see ../shared/tools/fetch_peer_wheels.sh):
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python3 benchmarks/bench_step.py --out $OUT/bench_step.json            # all stacks, < 8 minutes
+    python3 benchmarks/bench_step.py --stacks fasttune --profile --out $OUT/profile.json
+    python3 benchmarks/bench_step.py --smoke   # tiny model, CPU (interpreter) or GPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+if "--worker" in sys.argv and sys.argv[sys.argv.index("--worker") + 1:][:1] == ["unsloth"]:
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # no network on the GPU machine
+    try:  # Unsloth must be imported before transformers
+        import unsloth  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - reported as the stack's rows
+        UNSLOTH_IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+import torch  # noqa: E402
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before fasttune's kernels are imported
+
+GIB = 1 << 30
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
+                bos_token_id=1, eos_token_id=2, pad_token_id=3)
+# Widths multiples of 64: bitsandbytes 0.50.2 on CPU mis-dequantises other NF4 rows (NOTES §4).
+SMOKE = dict(LLAMA_8B, vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+STACKS = ("hf", "liger", "fasttune", "unsloth")
+WEIGHTS = ("bf16", "nf4")
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- models --------------------------------------------------------------------------------------
+
+def build_base(shape: dict):
+    """The random-init causal LM in bf16 on the GPU (fp32 on CPU for --smoke), frozen."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **shape)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device() == "cuda" else torch.float32
+    with torch.device(device()):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.requires_grad_(False)
+    return model
+
+
+def to_nf4(model) -> None:
+    """Each decoder nn.Linear → bitsandbytes NF4 Linear4bit quantised from its weight (as QLoRA loads)."""
+    import bitsandbytes as bnb
+
+    compute = torch.bfloat16 if device() == "cuda" else torch.float32
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if type(lin) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=compute,
+                                      compress_statistics=True, quant_type="nf4", device="meta")
+                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
+                                             quant_type="nf4", module=q).to(lin.weight.device)  # quantises
+                setattr(parent, name, q)
+    model.is_loaded_in_4bit = True  # PEFT then wraps Linear4bit with its bnb LoRA layer
+    release()
+
+
+def add_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                            target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+
+
+def hf_checkpointing(base) -> None:
+    kw = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers ≥ 5.2x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def save_checkpoint(model, path: str) -> None:
+    """The random bf16 model plus a tiny tokenizer, where Unsloth's from_pretrained can read them."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    tmp = path + ".partial"
+    model.save_pretrained(tmp, max_shard_size="5GB")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                  bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
+def prepare(stack: str, weights: str, shape: dict, args, log):
+    """The PEFT model of ``stack`` with ``weights`` ("bf16"/"nf4"), in training mode."""
+    if stack == "unsloth":
+        return prepare_unsloth(weights, shape, args)
+    base = build_base(shape)
+    if args.ckpt_dir and "unsloth" in args.all_stacks:  # from bf16 weights, before any quantisation
+        t0 = time.perf_counter()
+        save_checkpoint(base, args.ckpt_dir)
+        log(f"    checkpoint for unsloth at {args.ckpt_dir} ({time.perf_counter() - t0:.0f} s)")
+    if weights == "nf4":
+        to_nf4(base)
+    model = add_lora(base)
+    if stack == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=base)
+    if stack in ("hf", "liger"):
+        hf_checkpointing(base)
+    if stack == "fasttune":
+        from fasttune import FastConfig, patch_model
+
+        report = patch_model(model, FastConfig(checkpointing=args.checkpointing))
+        log("    " + str(report).replace("\n", "\n    "))
+        n = shape["num_hidden_layers"]
+        missing = [op for op in ("lora_qkv", "lora_o", "lora_mlp") if report.patched[op] != n]
+        if missing:
+            raise RuntimeError(f"fused LoRA not installed everywhere ({missing}): {report}")
+    model.train()
+    return model
+
+
+def prepare_unsloth(weights: str, shape: dict, args):
+    if "UNSLOTH_IMPORT_ERROR" in globals():
+        raise RuntimeError(f"unsloth does not import: {UNSLOTH_IMPORT_ERROR}")
+    from unsloth import FastLanguageModel
+
+    if not args.ckpt_dir or not os.path.exists(os.path.join(args.ckpt_dir, "config.json")):
+        raise RuntimeError(f"no checkpoint at {args.ckpt_dir} (the first other stack's worker writes it)")
+    model, _ = FastLanguageModel.from_pretrained(args.ckpt_dir, max_seq_length=max(s for _, s in args.shapes),
+                                                 dtype=torch.bfloat16, load_in_4bit=weights == "nf4")
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                             target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth",
+                                             random_state=0)
+    if hasattr(FastLanguageModel, "for_training"):
+        FastLanguageModel.for_training(model)
+    model.train()
+    return model
+
+
+# --- the step ------------------------------------------------------------------------------------
+
+class Step:
+    """forward under bf16 autocast (CUDA), backward, AdamW on the trainable parameters."""
+
+    def __init__(self, model, batch: dict):
+        self.model, self.batch = model, batch
+        params = [p for p in model.parameters() if p.requires_grad]
+        fused = device() == "cuda" and all(p.is_cuda for p in params)
+        self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused or None)
+
+    def __call__(self) -> torch.Tensor:
+        with torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda"):
+            loss = self.model(**self.batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(step: Step, tokens: int, warmup: int, steps: int) -> dict:
+    loss0 = None
+    for _ in range(warmup):  # Triton compiles and autotunes, AdamW allocates its states
+        loss = step()
+        loss0 = float(loss) if loss0 is None else loss0
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
+    return dict(ms=round(ms, 1), tokens_per_s=round(tokens / (ms / 1e3)), peak_gib=round(peak, 2),
+                loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times])
+
+
+def profile(step: Step, label: str, trace_dir: str | None, rows: int = 30) -> str:
+    """Key averages of one step, sorted by self device time (the top rows are the CUDA kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        sync()
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{label}.json"))
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
+
+
+# --- worker: one stack, all its configurations ------------------------------------------------
+
+def worker(stack: str, args) -> None:
+    shape = SMOKE if args.smoke else LLAMA_8B
+    deadline = args.deadline_at
+
+    def log(msg):
+        print(msg, flush=True)
+
+    def emit(row):
+        print("RESULT " + json.dumps(row), flush=True)
+
+    for weights in args.weights:
+        row0 = dict(stack=stack, weights=weights)
+        if time.time() > deadline - 20:
+            for b, s in args.shapes:
+                emit(dict(row0, shape=f"{b}x{s}", error="skipped: time budget"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            model = prepare(stack, weights, shape, args, log)
+        except Exception as err:  # noqa: BLE001 - a stack that does not run here is a row, not a crash
+            for b, s in args.shapes:
+                emit(dict(row0, shape=f"{b}x{s}", error=f"setup: {type(err).__name__}: {err}"[:300]))
+            release()
+            continue
+        log(f"  {stack}/{weights}: ready in {time.perf_counter() - t0:.0f} s, "
+            f"{torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else 0:.1f} GiB allocated")
+        # Each shape starts from the same adapters (B = 0): its step-1 loss is comparable across stacks.
+        initial = [(p, p.detach().clone()) for p in model.parameters() if p.requires_grad]
+        for b, s in args.shapes:
+            row = dict(row0, shape=f"{b}x{s}")
+            if time.time() > deadline - 10:
+                emit(dict(row, error="skipped: time budget"))
+                continue
+            with torch.no_grad():
+                for p, p0 in initial:
+                    p.copy_(p0)
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(4, shape["vocab_size"], (b, s), generator=g).to(device())
+            step = Step(model, dict(input_ids=ids, labels=ids))
+            try:
+                row.update(measure(step, b * s, args.warmup, args.steps))
+                if stack in args.profile:
+                    row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
+            except torch.OutOfMemoryError:
+                row["error"] = "out of memory"
+            except Exception as err:  # noqa: BLE001
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+            del step
+            model.zero_grad(set_to_none=True)
+            release()
+            emit(row)
+        del model, initial
+        release()
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
+    left = deadline_at - time.time()
+    expected = [dict(stack=stack, weights=w, shape=f"{b}x{s}") for w in args.weights for b, s in args.shapes]
+    if left < 30:
+        return [dict(r, error="skipped: time budget") for r in expected]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--deadline-at", str(deadline_at),
+           "--stacks", ",".join(args.all_stacks), "--weights", ",".join(args.weights),
+           "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--checkpointing", args.checkpointing, "--ckpt-dir", args.ckpt_dir or "",
+           "--profile", ",".join(args.profile)] + (["--trace", args.trace] if args.trace else []) \
+        + (["--smoke"] if args.smoke else [])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
+               PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
+    rows, tail = [], []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    killer = threading.Timer(max(1.0, deadline_at + 20 - time.time()), proc.kill)  # a hung worker too
+    killer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                rows.append(json.loads(line[len("RESULT "):]))
+                log(fmt_row(rows[-1]))
+            elif line.startswith("  "):
+                log(line.rstrip())
+            tail = (tail + [line.rstrip()])[-15:]
+        proc.wait()
+    finally:
+        killer.cancel()
+    done = {(r["weights"], r["shape"]) for r in rows}
+    why = f"worker exit {proc.returncode}: " + " | ".join(tail[-4:])[-300:]
+    rows += [dict(r, error=why) for r in expected if (r["weights"], r["shape"]) not in done]
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['error']} | | | |"
+    return (f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['ms']:.0f} | {r['tokens_per_s']:,} "
+            f"| {r['peak_gib']} | {r['loss_step1']} |")
+
+
+def markdown(rows: list[dict], args) -> str:
+    """Tokens/s and peak GiB per stack × weights, one column pair per shape, speed-up vs hf."""
+    shapes = [f"{b}x{s}" for b, s in args.shapes]
+    by = {(r["stack"], r["weights"], r["shape"]): r for r in rows}
+    head = "| stack | weights | " + " | ".join(f"{s} tok/s (× hf) | {s} peak GiB" for s in shapes) + " | step-1 loss |"
+    lines = [head, "|---|---|" + "---|---|" * len(shapes) + "---|"]
+    for stack in args.stacks:
+        for w in args.weights:
+            cells, loss = [], ""
+            for s in shapes:
+                r, ref = by.get((stack, w, s), {}), by.get(("hf", w, s), {})
+                if "tokens_per_s" not in r:
+                    cells += [r.get("error", "-")[:60], ""]
+                    continue
+                x = f" ({r['tokens_per_s'] / ref['tokens_per_s']:.2f}×)" if "tokens_per_s" in ref else ""
+                cells += [f"{r['tokens_per_s']:,}{x}", str(r["peak_gib"])]
+                loss = loss or str(r["loss_step1"])
+            lines.append(f"| {stack} | {w} | " + " | ".join(cells) + f" | {loss} |")
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    for name in ("triton", "transformers", "peft", "bitsandbytes", "liger-kernel", "unsloth"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated subset of " + ", ".join(STACKS))
+    p.add_argument("--weights", default=",".join(WEIGHTS), help="bf16, nf4 or both")
+    p.add_argument("--shapes", default="4x2048,1x8192", help="batch x sequence, comma-separated")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, optimizer states)")
+    p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"),
+                   help="fasttune's checkpointing mode")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="where a worker saves the random model for unsloth ('' to skip; default "
+                        "/tmp/fasttune_bench_step_llama8b, or _smoke)")
+    p.add_argument("--profile", nargs="?", const="fasttune", default="",
+                   help="profile one extra step of these stacks (default when given: fasttune)")
+    p.add_argument("--trace", help="also write Chrome traces of the profiled steps to this directory")
+    p.add_argument("--budget-s", type=float, default=460.0, help="seconds for the whole run (workers stop after)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.all_stacks = [s for s in args.stacks.split(",") if s]
+    args.weights = [w for w in args.weights.split(",") if w]
+    args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    args.profile = [s for s in args.profile.split(",") if s]
+    if args.ckpt_dir is None:
+        args.ckpt_dir = f"/tmp/fasttune_bench_step_{'smoke' if args.smoke else 'llama8b'}"
+    bad = sorted(set(args.all_stacks + args.profile) - set(STACKS)) + sorted(set(args.weights) - set(WEIGHTS))
+    if bad:
+        p.error(f"unknown stack/weights {bad}")
+    if args.smoke and args.shapes == [(4, 2048), (1, 8192)]:
+        args.shapes = [(2, 64), (1, 128)]
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    # hf first: it writes the checkpoint unsloth loads; unsloth last: the slowest to set up.
+    args.stacks = sorted(args.all_stacks, key=lambda s: STACKS.index(s))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args)
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("bench_step.py needs a CUDA GPU (or --smoke)")
+    if args.stacks == ["unsloth"] and not os.path.exists(os.path.join(args.ckpt_dir or "-", "config.json")):
+        raise SystemExit(f"unsloth loads the checkpoint another stack's worker writes to {args.ckpt_dir!r} "
+                         "(16 GB, once): run it with hf (or liger, fasttune) in --stacks")
+    t0 = time.time()
+    deadline_at = t0 + args.budget_s
+    info = versions()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f} s] {msg}", flush=True)
+
+    log(" ".join(f"{k}={v}" for k, v in info.items()))
+    log("| stack | weights | shape | ms/step | tokens/s | peak GiB | step-1 loss |")
+    rows = []
+    for stack in args.stacks:
+        rows += run_stack(stack, args, deadline_at, log)
+    for r in rows:
+        if "profile" in r:
+            print(f"\n### profile {r['stack']} {r['weights']} {r['shape']}\n{r['profile']}")
+    print("\n" + markdown(rows, args))
+    print(f"\ntotal {time.time() - t0:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"versions": info, "smoke": args.smoke, "checkpointing": args.checkpointing,
+                       "rows": rows, "seconds": round(time.time() - t0, 1)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

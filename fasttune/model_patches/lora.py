@@ -1,0 +1,277 @@
+"""Fused LoRA on the installed attention and MLP forwards: QKV, O and the gated MLP.
+
+For every decoder layer whose attention / MLP carries an installed ``FastAttentionForward`` /
+``FastMLPForward`` (attention.py, mlp.py), the hooks of that forward are set to objects that run
+fasttune's fused Functions (kernels/lora.py, kernels/lora_glu.py) on the projections' PEFT
+LoRA parameters and frozen dense or bitsandbytes-NF4 base weights:
+
+    project_qkv  ``lora_qkv(x, q, k, v)``; Phi-3's fused ``qkv_proj``: ``lora_linear`` then the
+                 stock [q | k | v] split
+    project_o    ``lora_linear(attn_output, o)``
+    fused_mlp    ``lora_mlp(x, gate, up, down, activation)``; Phi-3's ``gate_up_proj``:
+                 ``lora_linear`` → SwiGLU/GeGLU kernel → ``lora_linear(down)``
+
+Reported per module as "lora_qkv", "lora_o", "lora_mlp". A module whose projections the fused
+path would not compute exactly (``lora_spec`` says why: dropout, DoRA, several active adapters,
+a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no adapter on any of its projections; or
+forward hooks on a projection, which the fused path would skip: accelerate offloading,
+DeepSpeed ZeRO-3, PEFT's mixed-adapter batches) keeps PEFT's path and is listed in
+``report.fallbacks``. A model without any PEFT LoRA layer (full fine-tuning) is left alone and
+reports nothing.
+
+Eligibility is decided at patch time for the report and checked again at every call, because
+the adapter state changes under a patched model (``set_adapter``, ``merge_adapter``,
+``disable_adapter()`` for DPO's reference pass): a call that does not qualify runs the default
+path of that forward (the module's own projections), which is exactly PEFT's. A call also
+falls back when the stock layers would not compute in the activations' dtype: outside
+``torch.autocast``, each dense weight, or the compute dtype bitsandbytes' ``Linear4bit`` would
+use, must be x's dtype, and adapters must be x's dtype or float32. float32 adapters under bf16
+activations are then used in bf16, as under autocast (PEFT upcasts x to float32 for the rank-r
+term in that case: the two differ by bf16 rounding of the rank-r term only). NF4 calls without
+autograd (generation, evaluation) also take the default path: bitsandbytes' inference kernels
+read the packed weights directly, which beats dequantising them for the few rows of a decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import FastConfig
+from ..kernels.lora import lora_linear, lora_qkv
+from ..kernels.lora_glu import lora_mlp
+from .attention import attention_forward
+from .families import ACTIVATIONS, FamilySpec
+from .lora_specs import lora_spec
+from .mlp import check_mlp, config_activation, mlp_forward
+from .report import PatchReport
+
+OP_QKV, OP_O, OP_MLP = "lora_qkv", "lora_o", "lora_mlp"
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QKV_NAMES = {"separate": ("q_proj", "k_proj", "v_proj"), "fused": ("qkv_proj",)}
+MLP_NAMES = {"separate": ("gate_proj", "up_proj", "down_proj"), "fused": ("gate_up_proj", "down_proj")}
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer (``lora_A``, ``lora_B`` and a ``base_layer``), by duck typing."""
+    return hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")
+
+
+def _base_layer(proj: nn.Module) -> nn.Module:
+    return proj.get_base_layer() if hasattr(proj, "get_base_layer") else proj
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def stock_compute_dtype(proj: nn.Module, spec, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the projection's own forward multiplies x (of ``x_dtype``) in, outside autocast.
+
+    Dense: the weight's. bitsandbytes ``Linear4bit`` casts x to ``compute_dtype``, which its
+    first forward resets to the input's dtype when that is float32 or bfloat16.
+    """
+    if not spec[0].is_nf4:
+        return spec[0].weight.dtype
+    layer = _base_layer(proj)
+    declared = getattr(layer, "compute_dtype", None)
+    if not getattr(layer, "compute_type_is_set", True) and x_dtype in (torch.float32, torch.bfloat16):
+        return x_dtype
+    return declared or x_dtype
+
+
+def projection_specs(module: nn.Module, names: tuple[str, ...]):
+    """The ``(base, A, B, scaling)`` spec of each named projection of ``module``, or why not.
+
+    Checks what does not depend on the input: ``lora_spec``, forward hooks, CPU-repacked NF4
+    weights, and that at least one projection has an active adapter.
+    """
+    specs = []
+    for name in names:
+        proj = getattr(module, name, None)
+        if not isinstance(proj, nn.Module):
+            return f"no `{name}` submodule"
+        spec = lora_spec(proj)
+        if isinstance(spec, str):
+            return f"{name}: {spec}"
+        if _hooked(proj) or _hooked(_base_layer(proj)):
+            return f"{name}: forward hooks on the projection (the fused path would skip them)"
+        if spec[0].is_nf4 and getattr(spec[0].quant_state, "packing_format_for_cpu", False):
+            return f"{name}: NF4 weight repacked by bitsandbytes' CPU inference path"
+        specs.append(spec)
+    if all(spec[1] is None for spec in specs):
+        return f"no active LoRA adapter on {', '.join(names)}"
+    return specs
+
+
+def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
+    """``projection_specs`` plus the checks against this call's input x (dtype, device)."""
+    specs = projection_specs(module, names)
+    if isinstance(specs, str):
+        return specs
+    if x.dtype not in KERNEL_DTYPES:
+        return f"input is {x.dtype}"
+    if not torch.is_grad_enabled() and any(spec[0].is_nf4 for spec in specs):
+        return "NF4 inference (no autograd): bitsandbytes' own 4-bit kernels"
+    autocast = x.device.type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(x.device.type)
+    x_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    for name, spec in zip(names, specs):
+        base, a, _, _ = spec
+        tensors = (base.weight, base.bias, a)
+        if any(t is not None and t.device != x.device for t in tensors):
+            return f"{name}: weights on another device than the input"
+        if a is not None and a.dtype not in (x_dtype, torch.float32):
+            return f"{name}: adapter is {a.dtype}, activations {x_dtype}"
+        if not autocast and stock_compute_dtype(getattr(module, name), spec, x.dtype) != x.dtype:
+            return f"{name}: activations not in the layer's compute dtype (outside autocast)"
+    return specs
+
+
+class _Hook:
+    """Base of the hook objects: the projections they read and the hook they replaced.
+
+    Objects, not closures, so ``copy.deepcopy`` of a patched model (TRL's reference models)
+    copies them with the model.
+    """
+
+    def __init__(self, names: tuple[str, ...], previous):
+        self.names = names
+        self.previous = previous
+
+    def __repr__(self) -> str:
+        return f"<fasttune {type(self).__name__} over {', '.join(self.names)}>"
+
+
+class LoRAQKVHook(_Hook):
+    """``project_qkv`` through ``lora_qkv`` (separate q/k/v) or ``lora_linear`` (Phi-3's qkv_proj)."""
+
+    def __call__(self, module: nn.Module, hidden_states: torch.Tensor):
+        specs = call_specs(module, self.names, hidden_states)
+        if isinstance(specs, str):
+            return self.previous(module, hidden_states)
+        if len(specs) == 3:
+            return lora_qkv(hidden_states, *specs)
+        qkv = lora_linear(hidden_states, *specs[0])
+        # That is a view made inside an autograd Function: once RoPE rotates the q/k slices in
+        # place, autograd refuses the sibling v slice. Re-view it as a plain tensor (no copy).
+        qkv = torch.ops.aten._unsafe_view(qkv, qkv.shape)
+        q_size = module.config.num_attention_heads * module.head_dim  # the stock split (attention.py)
+        kv_size = module.num_key_value_heads * module.head_dim
+        return qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+
+
+class LoRAOHook(_Hook):
+    """``project_o`` through ``lora_linear``."""
+
+    def __call__(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor:
+        specs = call_specs(module, self.names, attn_output)
+        if isinstance(specs, str):
+            return self.previous(module, attn_output)
+        return lora_linear(attn_output, *specs[0])
+
+
+class LoRAMLPHook(_Hook):
+    """``fused_mlp`` through ``lora_mlp`` (separate gate/up) or lora_linear → GLU kernel →
+    lora_linear (Phi-3's gate_up_proj). A call that does not qualify runs the module's stock forward."""
+
+    def __init__(self, names: tuple[str, ...], previous, activation: str, stock):
+        super().__init__(names, previous)
+        self.activation = activation
+        self.stock = stock
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        specs = call_specs(module, self.names, x)
+        if isinstance(specs, str):
+            if self.previous is not None:
+                return self.previous(module, x)
+            return self.stock(x)
+        if len(specs) == 3:
+            return lora_mlp(x, *specs, activation=self.activation)
+        from ..kernels.swiglu import geglu, swiglu
+
+        gate, up = (t.contiguous() for t in lora_linear(x, *specs[0]).chunk(2, dim=-1))
+        if self.activation == "silu":
+            h = swiglu(gate, up)
+        else:
+            h = geglu(gate, up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return lora_linear(h, *specs[1])
+
+
+class _UndoHook:
+    """Puts a forward's previous hook back (an object, for deepcopy; no-op if replaced since)."""
+
+    def __init__(self, fwd, attr: str, hook, previous):
+        self.fwd, self.attr, self.hook, self.previous = fwd, attr, hook, previous
+
+    def __call__(self) -> None:
+        if getattr(self.fwd, self.attr, None) is self.hook:
+            setattr(self.fwd, self.attr, self.previous)
+
+
+def _install(fwd, attr: str, hook: _Hook, report: PatchReport, op: str) -> None:
+    setattr(fwd, attr, hook)
+    report.on_undo(_UndoHook(fwd, attr, hook, hook.previous))
+    report.add(op)
+
+
+def _mlp_activation(module: nn.Module, fwd, spec: FamilySpec, base: nn.Module):
+    """(kernel activation name, None) or (None, reason): the installed forward's verified one,
+    else resolved and probed here (``config.mlp`` off installs the forward without it)."""
+    if fwd.activation is not None:
+        return fwd.activation, None
+    activation = config_activation(getattr(module, "config", None) or base.config, spec)
+    reason, _ = check_mlp(module, spec, activation, use_kernel=True)
+    return (None, reason) if reason is not None else (ACTIVATIONS[activation], None)
+
+
+def _patch_attention(name: str, module: nn.Module, spec: FamilySpec, report: PatchReport) -> None:
+    fwd = attention_forward(module)
+    qkv_names, o_names = QKV_NAMES[spec.qkv_layout], ("o_proj",)
+    for op, names, attr, cls in ((OP_QKV, qkv_names, "project_qkv", LoRAQKVHook),
+                                 (OP_O, o_names, "project_o", LoRAOHook)):
+        if fwd is None:
+            report.fallback(op, name, "attention forward not installed (see the rope/attention_hook fallback)")
+            continue
+        specs = projection_specs(module, names)
+        if isinstance(specs, str):
+            report.fallback(op, name, specs)
+            continue
+        _install(fwd, attr, cls(names, getattr(fwd, attr)), report, op)
+
+
+def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, report: PatchReport) -> None:
+    fwd = mlp_forward(module)
+    if fwd is None:
+        report.fallback(OP_MLP, name, "MLP forward not installed (see the mlp/mlp_hook fallback)")
+        return
+    names = MLP_NAMES[spec.mlp_layout]
+    specs = projection_specs(module, names)
+    if isinstance(specs, str):
+        report.fallback(OP_MLP, name, specs)
+        return
+    activation, reason = _mlp_activation(module, fwd, spec, base)
+    if reason is not None:
+        report.fallback(OP_MLP, name, reason)
+        return
+    _install(fwd, "fused_mlp", LoRAMLPHook(names, fwd.fused_mlp, activation, fwd.stock), report, OP_MLP)
+
+
+def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
+    """Set the fused-LoRA hooks of every installed attention and MLP forward of a PEFT LoRA model.
+
+    Runs after the attention and MLP patchers. Nothing happens with ``config.lora`` off or when
+    the model has no PEFT LoRA layer. Each attention gets "lora_qkv" and "lora_o", each MLP
+    "lora_mlp", or a fallback naming the module and the reason.
+    """
+    if not config.lora or not any(is_lora_layer(m) for m in base.modules()):
+        return
+    attn_cls, mlp_cls = classes.get("attention_class"), classes.get("mlp_class")
+    for name, module in base.named_modules():
+        if attn_cls is not None and type(module) is attn_cls:
+            _patch_attention(name, module, spec, report)
+        elif mlp_cls is not None and type(module) is mlp_cls:
+            _patch_mlp(name, module, spec, base, report)
+
+
+__all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "is_lora_layer", "patch_lora",
+           "projection_specs", "stock_compute_dtype"]
