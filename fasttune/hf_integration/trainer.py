@@ -11,7 +11,7 @@ from ..config import FastConfig
 from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
 from .callback import log_report
-from .distributed import set_ddp_defaults
+from .distributed import DistributedHeadCallback, gathered_weights, release_fsdp_checkpointing, set_ddp_defaults
 from .throughput import ThroughputMeter
 
 logger = logging.getLogger("fasttune")
@@ -56,6 +56,8 @@ class FastTrainerMixin:
             # Same math as HF's LabelSmoother, inside the fused kernel: the logits stay unmaterialised.
             head.label_smoothing = float(self.label_smoother.epsilon)
             self.label_smoother = None
+        release_fsdp_checkpointing(self.accelerator, self.fast_config)  # before prepare(): layers are ours
+        self.add_callback(DistributedHeadCallback())  # ZeRO-3: lm_head gathered for the fused loss
         self._throughput = ThroughputMeter()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -85,7 +87,8 @@ class FastTrainerMixin:
         if cfg.export_artifacts or cfg.push_to_hub:
             from .export import export_after_training
 
-            export_after_training(self, cfg)
+            with gathered_weights(self.model, self.is_world_process_zero()):  # every rank: FSDP/ZeRO-3 gather
+                export_after_training(self, cfg)
         return output
 
 

@@ -40,31 +40,13 @@ from ._backend import check_float, use_triton
 from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, check_projection,
                    grad_input, group_backward, project, scratch_for, stacked_xa)
 from .nf4 import cast_rne
+from .swiglu import _act_and_grad  # shared activation and derivative (one definition)
 
 __all__ = ["lora_mlp", "LoRAMLPFunction"]
 
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # the ACT codes of swiglu._act_and_grad
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _BLOCK = 2048
-
-
-@triton.jit
-def _act_and_grad(g, ACT: tl.constexpr):
-    """act(g) and act'(g) in fp32."""
-    if ACT == 0:
-        sig = tl.sigmoid(g)
-        a = g * sig
-        da = sig * (1.0 + g * (1.0 - sig))
-    elif ACT == 1:
-        k = 0.7978845608028654  # sqrt(2/pi)
-        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0
-        a = 0.5 * g * (1.0 + t)
-        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)
-    else:
-        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-        a = g * cdf
-        da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1/sqrt(2 pi)
-    return a, da
 
 
 @triton.jit

@@ -18,7 +18,7 @@ from fasttune.kernels import _lce_common as common
 from fasttune.kernels import reference
 from fasttune.kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 
-from helpers.compare import rel_err
+from helpers.compare import check_fp32, check_lowp, rel_err
 
 # The module, by path: the package attribute `fasttune.kernels.cross_entropy` names the function too.
 ce_mod = importlib.import_module("fasttune.kernels.cross_entropy")
@@ -85,20 +85,6 @@ def upstream_for(kw, N, device, seed=1):
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(N, generator=g) + 0.5 if kw.get("reduction") == "none" else torch.tensor(0.75)
     return u.to(device)
-
-
-def check_fp32(got, want, what, tol=1e-5):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = rel_err(got, want)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
-
-
-def check_lowp(got, same, ref64, dtype, what):
-    assert got.shape == ref64.shape == same.shape, f"{what}: shapes differ"
-    e_k = (got.double() - ref64.double()).norm().item()
-    e_t = (same.double() - ref64.double()).norm().item()
-    bound = 2 * e_t + torch.finfo(dtype).eps * ref64.double().norm().item()
-    assert e_k <= bound, f"{what}: ‖kernel − ref64‖ {e_k:.3g} > bound {bound:.3g} (torch {e_t:.3g})"
 
 
 def compare(device, dtype, N, D, V, bias=False, ignore_frac=0.2, frozen_w=False, seed=0, int32_labels=False,

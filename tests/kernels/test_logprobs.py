@@ -14,7 +14,7 @@ from fasttune.kernels import logprobs as lp_mod
 from fasttune.kernels import reference
 from fasttune.kernels.logprobs import fused_linear_logprobs
 
-from helpers.compare import rel_err
+from helpers.compare import check_fp32, check_lowp, rel_err
 
 
 # make_inputs / check_fp32 / check_lowp mirror test_cross_entropy.py's (candidates for helpers/compare.py).
@@ -28,20 +28,6 @@ def make_inputs(device, N, D, V, dtype=torch.float32, bias=False, ignore_frac=0.
     y[torch.rand(N, **kw) < ignore_frac] = -100
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return cast(h), cast(W), cast(b), y
-
-
-def check_fp32(got, want, what, tol=1e-5):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = rel_err(got, want)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
-
-
-def check_lowp(got, same, ref64, dtype, what):
-    assert got.shape == ref64.shape == same.shape, f"{what}: shapes differ"
-    e_k = (got.double() - ref64.double()).norm().item()
-    e_t = (same.double() - ref64.double()).norm().item()
-    bound = 2 * e_t + torch.finfo(dtype).eps * ref64.double().norm().item()
-    assert e_k <= bound, f"{what}: ‖kernel − ref64‖ {e_k:.3g} > bound {bound:.3g} (torch {e_t:.3g})"
 
 
 def run(fn, h, W, b, y, ups, frozen_w=False, **kw):

@@ -31,3 +31,19 @@ def assert_grads_close(model_a, model_b, rtol: float) -> None:
     assert errs, "no trainable parameters compared"
     bad = {k: v for k, v in errs.items() if not v <= rtol}
     assert not bad, f"{len(bad)} gradients differ beyond {rtol}: {dict(list(bad.items())[:5])}"
+
+
+def check_fp32(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-5) -> None:
+    """Same shape and relative (Frobenius) error ≤ tol."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def check_lowp(got: torch.Tensor, same: torch.Tensor, ref64: torch.Tensor, dtype, what: str) -> None:
+    """The 2×-torch rule in norm: ‖kernel − ref64‖ ≤ 2·‖torch_same_dtype − ref64‖ + eps·‖ref64‖."""
+    assert got.shape == ref64.shape == same.shape, f"{what}: shapes differ"
+    e_k = (got.double() - ref64.double()).norm().item()
+    e_t = (same.double() - ref64.double()).norm().item()
+    bound = 2 * e_t + torch.finfo(dtype).eps * ref64.double().norm().item()
+    assert e_k <= bound, f"{what}: ‖kernel − ref64‖ {e_k:.3g} > bound {bound:.3g} (torch {e_t:.3g})"

@@ -1,0 +1,330 @@
+"""The 8B LoRA step of bench_step.py on N GPUs with DDP and FSDP2: tokens/s scaling vs 1 GPU, same loss.
+
+Model and step as in ``bench_step.py`` (its builders are imported): random-init Llama-3.1-8B shape
+in bf16, LoRA r=16 on the seven projections, fasttune patched with "offload" checkpointing,
+forward under bf16 autocast, backward, AdamW. Per GPU a micro-batch of ``--shape`` (4×2048) random
+tokens; the global batch is N of them. Three phases, one model build each:
+
+  1gpu   rank 0 alone (the others wait): the global batch as N accumulated micro-batches, then the
+         timed steps on one micro-batch (tokens/s of one GPU)
+  ddp    DistributedDataParallel (find_unused_parameters=False, as FastTrainer sets it)
+  fsdp2  fully_shard as accelerate lays it out: one unit per decoder layer, the embeddings, lm_head
+         in a unit of its own (reshard_after_forward=False; the fused loss unshards it), the root;
+         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+
+Loss check (before the timed steps, same weights in every phase): the global batch's loss (mean
+over all its tokens: each rank's token sum over the global count), the global gradient norm, one
+SGD step (the update is proportional to the gradient, unlike Adam's first step), and the loss of
+the next global batch. Each must equal the 1-GPU phase's up to bf16 rounding (``--rtol``).
+Timed: median of ``--steps`` after ``--warmup``; tokens/s counts every rank's tokens;
+scaling = tokens/s ÷ (N × tokens/s of 1 GPU).
+
+Usage (H200s, repo root; < 5 minutes for N=2):
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
+    accelerate launch --num_processes 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --smoke    # CPU, gloo: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before fasttune's kernels are imported
+
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    from bench_step import LLAMA_8B, SMOKE, add_lora, build_base  # the 8B LoRA step's own builders
+except ImportError:  # bench_step.py absent: the same model, built here
+    LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, use_cache=False)
+    SMOKE = dict(LLAMA_8B, vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+    def build_base(shape: dict):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        cuda = torch.cuda.is_available()
+        with torch.device("cuda" if cuda else "cpu"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **shape),
+                                                     dtype=torch.bfloat16 if cuda else torch.float32,
+                                                     attn_implementation="sdpa")
+        return model.requires_grad_(False)
+
+    def add_lora(model):
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+
+GIB = 1 << 30
+MODES = ("1gpu", "ddp", "fsdp2")
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+def build(args):
+    """The patched LoRA model, identical on every rank (seeded builders), in training mode."""
+    from fasttune import FastConfig, patch_model
+
+    model = add_lora(build_base(SMOKE if args.smoke else LLAMA_8B))
+    report = patch_model(model, FastConfig(checkpointing=args.checkpointing))
+    if not report.patched["cross_entropy"]:
+        raise RuntimeError(f"fused loss not installed: {report}")
+    return model.train()
+
+
+def wrap(model, mode: str):
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+        return DDP(model, device_ids=ids, find_unused_parameters=False, gradient_as_bucket_view=True)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+                                  reduce_dtype=torch.float32)
+        base = model.get_base_model()
+        for layer in base.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(base.model.embed_tokens, mp_policy=mp)
+        fully_shard(base.lm_head, mp_policy=mp, reshard_after_forward=False)
+        return fully_shard(model, mp_policy=mp)
+    return model
+
+
+# --- batches and the loss check ------------------------------------------------------------------------
+
+def global_batch(args, world: int, seed: int) -> torch.Tensor:
+    b, s = args.shape
+    vocab = (SMOKE if args.smoke else LLAMA_8B)["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (world * b, s), generator=g)
+
+
+def micro_loss(model, ids: torch.Tensor, n_items: int, scale: float) -> torch.Tensor:
+    """Token sum of ``ids`` over the global count ``n_items`` (× ``scale``), backward done; returns it unscaled."""
+    ids = ids.to(device())
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(n_items, device=device())).loss
+    (loss * scale).backward()
+    return loss.detach().float()
+
+
+def grad_sq(model) -> torch.Tensor:
+    """Sum of squared gradient entries held by this rank (float64)."""
+    from torch.distributed.tensor import DTensor
+
+    sq = torch.zeros((), device=device(), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq += g.double().pow(2).sum()
+    return sq
+
+
+def loss_check(model, mode: str, args, world: int) -> dict:
+    """Loss and gradient norm of global batch 0, one SGD step, loss of global batch 1 (see module doc)."""
+    rank = dist.get_rank()
+    b = args.shape[0]
+    out = {}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.sgd_lr)
+    for k, seed in enumerate((1, 2)):
+        ids = global_batch(args, world, seed)
+        n_items = ids.shape[0] * (ids.shape[1] - 1)
+        if mode == "1gpu":  # the whole global batch here, as `world` accumulated micro-batches
+            loss = sum(micro_loss(model, ids[r * b:(r + 1) * b], n_items, 1.0) for r in range(world))
+        else:  # DDP/FSDP average the gradients: scale by the world size, as transformers does
+            loss = micro_loss(model, ids[rank * b:(rank + 1) * b], n_items, float(world))
+            dist.all_reduce(loss)
+        out[f"loss_batch{k}"] = float(loss)
+        if k == 0:
+            sq = grad_sq(model)
+            if mode == "fsdp2":
+                dist.all_reduce(sq)  # shards: sum of squares over ranks
+            out["grad_norm"] = math.sqrt(float(sq))
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+# --- timing ----------------------------------------------------------------------------------------
+
+def timed(model, mode: str, args, world: int) -> dict:
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = torch.cuda.is_available() and mode != "fsdp2"  # fused AdamW on plain tensors; foreach on DTensors
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused or None)
+    b, s = args.shape
+    ids = global_batch(args, world, 3)[dist.get_rank() * b:(dist.get_rank() + 1) * b].to(device())
+
+    def step():
+        with torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        if mode != "1gpu":
+            dist.barrier()  # time the step every rank takes together
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    gpus = 1 if mode == "1gpu" else world
+    peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
+    return dict(gpus=gpus, ms=round(ms, 1), tokens_per_s=round(gpus * b * s / (ms / 1e3)), peak_gib=round(peak, 2))
+
+
+def run_mode(mode: str, args, world: int) -> dict:
+    row = dict(mode=mode)
+    if mode == "1gpu" and dist.get_rank() != 0:
+        return row
+    t0 = time.perf_counter()
+    try:
+        model = wrap(build(args), mode)
+        row["setup_s"] = round(time.perf_counter() - t0, 1)
+        row.update(loss_check(model, mode, args, world))
+        row.update(timed(model, mode, args, world))
+    except Exception as err:  # noqa: BLE001 - reported as the mode's row (a failing rank may leave others waiting)
+        row["error"] = f"{type(err).__name__}: {err}"[:300]
+    model = None
+    release()
+    return row
+
+
+def compare(rows: list[dict], args) -> None:
+    """Scaling and loss agreement of each distributed row against the 1-GPU row (in place)."""
+    ref = next((r for r in rows if r["mode"] == "1gpu" and "error" not in r), None)
+    if ref is None:
+        return
+    for r in rows:
+        if r["mode"] == "1gpu" or "error" in r:
+            continue
+        r["scaling"] = round(r["tokens_per_s"] / (r["gpus"] * ref["tokens_per_s"]), 3)
+        diffs = {k: abs(r[k] - ref[k]) / abs(ref[k]) for k in ("loss_batch0", "grad_norm", "loss_batch1")}
+        r["rel_diff_vs_1gpu"] = {k: float(f"{v:.2e}") for k, v in diffs.items()}
+        r["loss_matches_1gpu"] = all(v <= args.rtol for v in diffs.values())
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| mode | GPUs | ms/step | tokens/s | scaling | peak GiB | loss b0 | grad norm | loss b1 | = 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | error: {r['error']} |||||||||")
+            continue
+        lines.append(f"| {r['mode']} | {r['gpus']} | {r['ms']} | {r['tokens_per_s']:,} | {r.get('scaling', '-')} | "
+                     f"{r['peak_gib']} | {r['loss_batch0']:.5f} | {r['grad_norm']:.4g} | {r['loss_batch1']:.5f} | "
+                     f"{r.get('loss_matches_1gpu', '-')} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    p.add_argument("--shape", default="4x2048", help="per-GPU micro-batch, rows x sequence length")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"))
+    p.add_argument("--sgd-lr", type=float, default=1.0, help="the loss check's SGD step")
+    p.add_argument("--rtol", type=float, default=2e-2, help="loss/grad-norm agreement with 1 GPU (bf16 rounding)")
+    p.add_argument("--budget-s", type=float, default=270.0, help="modes not started by then are skipped")
+    p.add_argument("--out", help="write the results as JSON here (rank 0)")
+    p.add_argument("--smoke", action="store_true", help="tiny model (CPU/gloo or GPU): checks the script")
+    args = p.parse_args(argv)
+    args.modes = [m for m in MODES if m in args.modes.split(",")]
+    b, s = args.shape.lower().split("x")
+    args.shape = (int(b), int(s)) if not args.smoke or args.shape != "4x2048" else (2, 64)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("bench_multi_gpu.py needs CUDA GPUs (or --smoke)")
+    t_start = time.time()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" not in os.environ:  # not under torchrun / accelerate launch: one process, the 1-GPU row only
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=8))
+    world = dist.get_world_size()
+    import peft
+    import transformers
+
+    info = dict(torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
+                world_size=world, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                shape=f"{args.shape[0]}x{args.shape[1]}", checkpointing=args.checkpointing, smoke=args.smoke)
+    log(" ".join(f"{k}={v}" for k, v in info.items()))
+    rows = []
+    for mode in args.modes:
+        if mode != "1gpu" and world == 1:
+            continue
+        go = torch.tensor(int(time.time() - t_start < args.budget_s))
+        dist.broadcast(go, 0)  # every rank skips or runs the same modes
+        if not go:
+            rows.append(dict(mode=mode, error="skipped: time budget"))
+            continue
+        row = run_mode(mode, args, world)
+        every = [None] * world
+        dist.all_gather_object(every, row)
+        errors = [f"rank {r}: {x['error']}" for r, x in enumerate(every) if "error" in x]
+        if errors:  # any rank's error is the row's
+            row = dict(mode=mode, error="; ".join(errors)[:400])
+        rows.append(row)
+        log(f"[{time.time() - t_start:5.0f} s] {json.dumps(row)}")
+    compare(rows, args)
+    if dist.get_rank() == 0:
+        print("\n" + markdown(rows) + f"\n\ntotal {time.time() - t_start:.0f} s", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"versions": info, "rows": rows, "seconds": round(time.time() - t_start, 1)}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""Multi-process (gloo, CPU) checks of fasttune under DDP and FSDP2: the per-rank script and its launcher.
+
+``launch(scenario, out_dir)`` starts ``world_size`` processes of this file with the environment
+torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) and returns what each
+rank wrote to ``out_dir/rank{r}.json``; a failing rank fails the call with the tail of every log.
+The scenarios compute numbers (relative errors, dtypes, call counts); the tests assert on them.
+
+Every scenario compares against one process holding the whole global batch (rank 0 computes it),
+with the loss normalised as transformers does across devices: each rank's loss is its token sum
+over the global token count, times the world size, and DDP/FSDP average the gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+VOCAB = 1001  # odd: lm_head rows split unevenly over 2 ranks
+
+
+# --- launcher (runs in the test process) ------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out_dir: Path, *args: str, world_size: int = 2, timeout: float = 150.0) -> list[dict]:
+    """Run ``scenario`` (with string ``args``) on ``world_size`` gloo ranks; the per-rank results, rank order."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
+               LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "_lib"), os.environ.get("PYTHONPATH", "")]))
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = open(out_dir / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir), *args], cwd=out_dir,
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + (out_dir / f"rank{r}.log").read_text()[-4000:]
+                          for r, c in enumerate(codes))
+        raise AssertionError(f"{scenario}: ranks exited with {codes}\n{tails}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+# --- per-rank helpers ---------------------------------------------------------------------------------
+
+def _setup():
+    """The test suite's environment (Triton interpreter, bf16 dot fix) before fasttune is imported."""
+    spec = importlib.util.spec_from_file_location("_fasttune_conftest", ROOT / "tests" / "conftest.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _global_batches(n_steps: int, world: int, rows_per_rank: int = 2, seq: int = 11):
+    from helpers.tiny_models import make_batch
+
+    return [make_batch(VOCAB, batch=world * rows_per_rank, seq=seq, seed=100 + s) for s in range(n_steps)]
+
+
+def _shard(batch: dict, rank: int, world: int) -> dict:
+    rows = batch["input_ids"].shape[0] // world
+    return {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+
+
+def _n_items(batch: dict):
+    import torch
+
+    return torch.tensor(int((batch["labels"][:, 1:] != -100).sum()))
+
+
+def _model(lora: bool, tied: bool = False, seed: int = 0):
+    """The tiny llama (vocab 1001), LoRA r=4 on every linear (lm_head frozen) or all weights trainable."""
+    import torch
+    from helpers.tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=tied, seed=seed)
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed + 1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"]))
+
+
+def _patched(model, checkpointing="offload"):
+    from fasttune import FastConfig, patch_model
+
+    report = patch_model(model, FastConfig(checkpointing=checkpointing))
+    return model, dict(report.patched)
+
+
+def _rel(a, b) -> float:
+    from helpers.compare import rel_err
+
+    return rel_err(a, b)
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _sgd(model, lr: float = 0.05):
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+
+
+class _Spy:
+    """Records (input dtype, weight dtype, weight type) of each call of a module-level function."""
+
+    def __init__(self, module, name):
+        self.module, self.name, self.calls = module, name, []
+        self.original = getattr(module, name)
+        setattr(module, name, self)
+
+    def __call__(self, x, w, *args, **kwargs):
+        self.calls.append((str(x.dtype), str(w.dtype), type(w.data).__name__))
+        return self.original(x, w, *args, **kwargs)
+
+    def take(self):
+        calls, self.calls = self.calls, []
+        return calls
+
+
+# --- DDP -------------------------------------------------------------------------------------------
+
+def scenario_ddp(rank: int, world: int) -> dict:
+    """LoRA + "offload" checkpointing under DistributedDataParallel, find_unused_parameters False
+    then True, two SGD steps each: the all-reduced gradients against one process on the global batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, patched = _patched(_model(lora=True))
+    ref, _ = _patched(_model(lora=True)) if rank == 0 else (None, None)
+    out = {"patched": patched, "rounds": []}
+    batches = _global_batches(4, world)
+    for i, find_unused in enumerate((False, True)):
+        ddp = DDP(model, find_unused_parameters=find_unused)
+        for step in range(2):
+            batch = batches[2 * i + step]
+            n = _n_items(batch)
+            loss = ddp(**_shard(batch, rank, world), num_items_in_batch=n).loss * world
+            loss.backward()
+            record = {"find_unused": find_unused, "step": step}
+            summed = loss.detach() / world
+            import torch.distributed as dist
+
+            dist.all_reduce(summed)
+            if rank == 0:
+                ref_loss = ref(**batch, num_items_in_batch=n).loss
+                ref_loss.backward()
+                grads = dict(ref.named_parameters())
+                errs = {name: _rel(p.grad, grads[name].grad) for name, p in model.named_parameters()
+                        if p.requires_grad}
+                record.update(loss_err=_rel(summed, ref_loss), max_grad_err=max(errs.values()),
+                              n_grads=len(errs), n_missing=sum(p.grad is None for p in model.parameters()
+                                                               if p.requires_grad))
+                _sgd(ref)
+            _sgd(model)
+            out["rounds"].append(record)
+    return out
+
+
+# --- FSDP2 and DTensor lm_head -----------------------------------------------------------------------
+
+def _accelerate_fsdp2(model, rank: int, mixed_precision: str = "no"):
+    """Shard ``model`` with accelerate's own FSDP2 preparation (accelerate's FSDP refuses CPU, so its
+    Accelerator is stood in for by the few attributes ``fsdp2_prepare_model`` reads)."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            reshard_after_forward=True)
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed_precision,
+                                  is_main_process=rank == 0, device=torch.device("cpu"))
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def _layers_and_root(model):
+    """fully_shard each decoder layer and the root: lm_head stays in the root's unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if type(module).__name__ == "LlamaDecoderLayer":
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def _dtensor_lm_head(model):
+    """Only lm_head's weight sharded (a DTensor on a CPU mesh, no FSDP unit): the full_tensor path."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    head = model.get_output_embeddings()
+    head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+    return model
+
+
+def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
+    import torch
+    import torch.distributed as dist
+    from fasttune.hf_integration.distributed import gathered_weights, sharding_kind
+
+    lora, tied, layout, mp = {
+        "lora": (True, False, "accelerate", "no"),
+        "full": (False, False, "accelerate", "no"),
+        "full_tied": (False, True, "accelerate", "no"),
+        "full_root": (False, False, "root", "no"),
+        "dtensor_head": (False, False, "dtensor", "no"),
+        "bf16": (False, False, "accelerate", "bf16"),
+    }[name]
+    model, patched = _patched(_model(lora=lora, tied=tied))
+    ref, _ = _patched(_model(lora=lora, tied=tied)) if rank == 0 else (None, None)
+    if layout == "accelerate":
+        model = _accelerate_fsdp2(model, rank, mp)
+    elif layout == "root":
+        model = _layers_and_root(model)
+    else:
+        model = _dtensor_lm_head(model)
+    out = {"case": name, "patched": patched, "kind": sharding_kind(model), "steps": []}
+    for step, batch in enumerate(batches):
+        n = _n_items(batch)
+        for s in spies.values():
+            s.take()
+        loss = model(**_shard(batch, rank, world), num_items_in_batch=n).loss * world
+        loss.backward()
+        if layout == "dtensor":  # the rest of the model is not distributed there: average its gradients as DDP would
+            for p in model.parameters():
+                if p.grad is not None and type(p.grad) is torch.Tensor:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+        record = {"head_calls": spies["head"].take(), "norm_calls": sorted(set(map(tuple, spies["norm"].take())))}
+        summed = loss.detach().float() / world
+        dist.all_reduce(summed)
+        grads = {k: _local(p.grad) for k, p in model.named_parameters() if p.grad is not None}  # collective
+        if rank == 0:
+            ref_loss = ref(**batch, num_items_in_batch=n).loss
+            ref_loss.backward()
+            ref_params = dict(ref.named_parameters())
+            expected = {k for k, p in ref_params.items() if p.requires_grad}
+            errs = {k: _rel(g, ref_params[k].grad) for k, g in grads.items()}
+            record.update(loss_err=_rel(summed, ref_loss), max_grad_err=max(errs.values()),
+                          missing=sorted(expected - set(grads)), lm_head_err=errs.get(
+                              next((k for k in errs if k.endswith("lm_head.weight")), ""), None))
+            _sgd(ref)
+        _sgd(model)
+        out["steps"].append(record)
+    if layout == "accelerate":
+        # Export: whole weights on rank 0 (equal to the reference after the same steps), shards back after.
+        with gathered_weights(model, is_main=rank == 0) as m:
+            if rank == 0:
+                mine = {k: p for k, p in m.named_parameters()}
+                ref_params = dict(ref.named_parameters())
+                out["export_types"] = sorted({type(p.data).__name__ for p in mine.values()})
+                out["export_err"] = max(_rel(p, ref_params[k]) for k, p in mine.items())
+                out["export_tied"] = m.get_output_embeddings().weight is m.get_input_embeddings().weight
+        out["after_export_types"] = sorted({type(p).__name__ for p in model.parameters()})
+    return out
+
+
+def scenario_fsdp2(rank: int, world: int, *cases: str) -> dict:
+    """fully_shard on CPU, ``cases`` among: accelerate's layout (lm_head its own unit, or with the
+    embeddings when tied) with LoRA ("lora"), full fine-tuning ("full", "full_tied") and a bf16
+    mixed-precision policy ("bf16"); lm_head in the root's unit ("full_root"); only lm_head's
+    weight a DTensor ("dtensor_head")."""
+    import fasttune.kernels.rms_norm as rms_norm_module
+    import fasttune.model_patches.head as head_module
+
+    spies = {"head": _Spy(head_module, "fused_linear_cross_entropy"), "norm": _Spy(rms_norm_module, "rms_norm")}
+    batches = _global_batches(2, world)
+    return {"cases": [_fsdp_case(name, rank, world, batches, spies)
+                      for name in cases]}
+
+
+# --- FastTrainer under DDP: export and push on rank 0 only ----------------------------------------------
+
+def scenario_trainer(rank: int, world: int) -> dict:
+    """FastTrainer on 2 CPU ranks (accelerate's DDP, gloo), LoRA + checkpointing: what DDP was given,
+    and which rank exported or pushed."""
+    from transformers import TrainingArguments
+
+    import fasttune.hf_integration.hub as hub
+    from fasttune import FastConfig, FastTrainer
+    from fasttune.embedded import PadCollator
+    from helpers.train_data import random_lm_rows
+
+    calls = {"export_artifacts": 0, "push_to_hub": 0}
+    real_export = hub.export_artifacts
+
+    def export_spy(*args, **kwargs):
+        calls["export_artifacts"] += 1
+        return real_export(*args, **kwargs)
+
+    def push_spy(*args, **kwargs):
+        calls["push_to_hub"] += 1
+        return {}
+
+    hub.export_artifacts, hub.push_to_hub = export_spy, push_spy
+    out = {}
+    push = FastConfig(push_to_hub=True, hub_model_id="someone/tiny", push_artifacts=("adapter",))
+    for name, fast in (("export", FastConfig(export_artifacts=("adapter",))), ("push", push)):
+        args = TrainingArguments(output_dir=str(Path.cwd() / name), max_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                 seed=0, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=True)
+        trainer = FastTrainer(model=_model(lora=True), args=args, train_dataset=random_lm_rows(VOCAB, n=16),
+                              data_collator=PadCollator(0), fast_config=fast)
+        trainer.train()
+        out[name] = {"wrapped": type(trainer.model_wrapped).__name__,
+                     "find_unused": getattr(trainer.model_wrapped, "find_unused_parameters", None),
+                     "checkpointing": trainer.fast_config.checkpointing,
+                     "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                     "adapter_files": sorted(p.name for p in (Path(args.output_dir) / "adapter").glob("*"))
+                     if rank == 0 else None}
+    out["calls"] = calls
+    return out
+
+
+def main() -> None:
+    scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    rank, world = _setup()
+    result = globals()[f"scenario_{scenario}"](rank, world, *args)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""hf_integration/distributed.py in one process: DDP defaults, FSDP checkpointing hand-over, ZeRO-3
+registration (DeepSpeed stood in for: it is not installed here) and the export gather's no-op case.
+The multi-process behaviour (DDP, FSDP2, export on rank 0) is in tests/test_distributed.py."""
+
+import copy
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+from transformers import TrainingArguments
+
+import fasttune.model_patches.head as head_module
+from fasttune import FastConfig, FastTrainer, patch_model
+from fasttune.embedded import PadCollator
+from fasttune.hf_integration.distributed import (DistributedHeadCallback, fsdp_checkpointing_requested,
+                                                 gathered_weights, register_zero3_lm_head,
+                                                 release_fsdp_checkpointing, set_ddp_defaults, sharding_kind)
+from helpers.compare import rel_err
+from helpers.tiny_models import make_batch, tiny_model
+from helpers.train_data import random_lm_rows
+
+VOCAB = 1001
+
+
+def _args(tmp_path, **kw):
+    return TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, **kw)
+
+
+@pytest.mark.parametrize("user, checkpointing, expected", [
+    (None, "offload", False), (None, "recompute", False), (True, "offload", True), (None, None, None)])
+def test_ddp_find_unused_parameters(tmp_path, user, checkpointing, expected):
+    args = _args(tmp_path, ddp_find_unused_parameters=user)
+    changed = set_ddp_defaults(args, FastConfig(checkpointing=checkpointing))
+    assert args.ddp_find_unused_parameters is expected
+    assert changed is (False if user is None and checkpointing else None)
+
+
+def test_fast_trainer_sets_find_unused_before_building_ddp_kwargs(tmp_path):
+    model = tiny_model("llama", vocab_size=VOCAB)
+    trainer = FastTrainer(model=model, args=_args(tmp_path, gradient_checkpointing=True),
+                          train_dataset=random_lm_rows(VOCAB, n=4), data_collator=PadCollator(0))
+    assert trainer.fast_config.checkpointing == "offload"
+    assert trainer.args.ddp_find_unused_parameters is False
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is False
+
+
+def test_fsdp_checkpointing_is_left_to_fasttune(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert fsdp_checkpointing_requested(SimpleNamespace(fsdp_plugin_args={"activation_checkpointing": True}))
+    assert fsdp_checkpointing_requested(SimpleNamespace(fsdp=True, fsdp_config={"activation_checkpointing": True}))
+    assert not fsdp_checkpointing_requested(SimpleNamespace(fsdp_plugin_args={"reshard_after_forward": True}))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")  # accelerate launch --config_file fsdp2.yaml
+    assert fsdp_checkpointing_requested(SimpleNamespace())
+
+    plugin = SimpleNamespace(activation_checkpointing=True)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    assert not release_fsdp_checkpointing(accelerator, FastConfig())  # fasttune does not checkpoint: FSDP's stays
+    assert plugin.activation_checkpointing is True
+    assert release_fsdp_checkpointing(accelerator, FastConfig(checkpointing="offload"))
+    assert plugin.activation_checkpointing is False
+    assert not release_fsdp_checkpointing(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None)),
+                                          FastConfig(checkpointing="offload"))
+
+
+def _fake_deepspeed(monkeypatch, registered: list):
+    """``deepspeed.zero.register_external_parameter`` as DeepSpeed implements it: a per-module table
+    exposed through ``module.ds_external_parameters()``."""
+
+    def register_external_parameter(module, parameter):
+        if not hasattr(module, "_external_params"):
+            module._external_params = {}
+            module.ds_external_parameters = types.MethodType(lambda self: self._external_params.items(), module)
+        module._external_params[id(parameter)] = parameter
+        registered.append((module, parameter))
+
+    zero = SimpleNamespace(register_external_parameter=register_external_parameter)
+    monkeypatch.setitem(sys.modules, "deepspeed", SimpleNamespace(zero=zero))
+
+
+def test_register_zero3_lm_head_makes_the_head_fused(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    stock = tiny_model("llama", vocab_size=VOCAB)
+    fast = get_peft_model(copy.deepcopy(stock), LoraConfig(r=4, target_modules=["q_proj"]))  # B = 0: same function
+    patch_model(fast, FastConfig(rms_norm=False, rope=False, mlp=False, lora=False))
+    causal_lm = fast.get_base_model()
+    causal_lm.lm_head.weight.requires_grad_(True)
+    registered = []
+    _fake_deepspeed(monkeypatch, registered)
+    assert not register_zero3_lm_head(fast) and registered == []  # not a ZeRO-3 parameter: nothing to do
+    weight = causal_lm.lm_head.weight
+    weight.ds_id, weight.ds_status = 5, SimpleNamespace(name="AVAILABLE")
+    assert sharding_kind(fast) == "zero3"
+    DistributedHeadCallback().on_train_begin(None, None, None, model=fast)
+    assert registered == [(causal_lm, weight)]
+    assert register_zero3_lm_head(fast) and len(registered) == 1  # idempotent
+
+    calls = []
+    original = head_module.fused_linear_cross_entropy
+    monkeypatch.setattr(head_module, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    batch = make_batch(VOCAB, seed=4)
+    a, b = fast(**batch).loss, stock(**batch).loss
+    a.backward()
+    b.backward()
+    assert calls == [1] and rel_err(a, b) <= 1e-6
+    assert rel_err(weight.grad, stock.lm_head.weight.grad) <= 1e-5
+
+
+def test_gathered_weights_is_a_no_op_without_sharding():
+    model = tiny_model("llama", vocab_size=VOCAB)
+    before = {n: p for n, p in model.named_parameters()}
+    assert sharding_kind(model) == "none"
+    with gathered_weights(model, is_main=True) as m:
+        assert m is model and all(p is before[n] for n, p in m.named_parameters())
+    assert all(p is before[n] for n, p in model.named_parameters())
