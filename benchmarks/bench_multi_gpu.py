@@ -14,8 +14,8 @@ tokens; the global batch is N of them. Three phases, one model build each:
 
 Loss check (before the timed steps, same weights in every phase): the global batch's loss (mean
 over all its tokens: each rank's token sum over the global count), the global gradient norm, one
-SGD step (the update is proportional to the gradient, unlike Adam's first step), and the loss of
-the next global batch. Each must equal the 1-GPU phase's up to bf16 rounding (``--rtol``).
+SGD step of L2 length ``--sgd-step`` along the gradient (the direction matters, unlike in Adam's
+first step) and the same batch's loss again. Each must equal the 1-GPU phase's up to bf16 rounding (``--rtol``).
 Timed: median of ``--steps`` after ``--warmup``; tokens/s counts every rank's tokens;
 scaling = tokens/s ÷ (N × tokens/s of 1 GPU).
 
@@ -160,25 +160,26 @@ def grad_sq(model) -> torch.Tensor:
 
 
 def loss_check(model, mode: str, args, world: int) -> dict:
-    """Loss and gradient norm of global batch 0, one SGD step, loss of global batch 1 (see module doc)."""
+    """Loss and gradient norm of a global batch, one SGD step, its loss again (see module doc)."""
     rank = dist.get_rank()
     b = args.shape[0]
     out = {}
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.sgd_lr)
-    for k, seed in enumerate((1, 2)):
-        ids = global_batch(args, world, seed)
-        n_items = ids.shape[0] * (ids.shape[1] - 1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    ids = global_batch(args, world, 1)
+    n_items = ids.shape[0] * (ids.shape[1] - 1)
+    for key in ("loss", "loss_after_sgd"):
         if mode == "1gpu":  # the whole global batch here, as `world` accumulated micro-batches
             loss = sum(micro_loss(model, ids[r * b:(r + 1) * b], n_items, 1.0) for r in range(world))
         else:  # DDP/FSDP average the gradients: scale by the world size, as transformers does
             loss = micro_loss(model, ids[rank * b:(rank + 1) * b], n_items, float(world))
             dist.all_reduce(loss)
-        out[f"loss_batch{k}"] = float(loss)
-        if k == 0:
+        out[key] = float(loss)
+        if key == "loss":
             sq = grad_sq(model)
             if mode == "fsdp2":
                 dist.all_reduce(sq)  # shards: sum of squares over ranks
             out["grad_norm"] = math.sqrt(float(sq))
+            opt.param_groups[0]["lr"] = args.sgd_step / max(out["grad_norm"], 1e-12)
             opt.step()
         opt.zero_grad(set_to_none=True)
     return out
@@ -245,20 +246,20 @@ def compare(rows: list[dict], args) -> None:
         if r["mode"] == "1gpu" or "error" in r:
             continue
         r["scaling"] = round(r["tokens_per_s"] / (r["gpus"] * ref["tokens_per_s"]), 3)
-        diffs = {k: abs(r[k] - ref[k]) / abs(ref[k]) for k in ("loss_batch0", "grad_norm", "loss_batch1")}
+        diffs = {k: abs(r[k] - ref[k]) / abs(ref[k]) for k in ("loss", "grad_norm", "loss_after_sgd")}
         r["rel_diff_vs_1gpu"] = {k: float(f"{v:.2e}") for k, v in diffs.items()}
         r["loss_matches_1gpu"] = all(v <= args.rtol for v in diffs.values())
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| mode | GPUs | ms/step | tokens/s | scaling | peak GiB | loss b0 | grad norm | loss b1 | = 1 GPU |",
+    lines = ["| mode | GPUs | ms/step | tokens/s | scaling | peak GiB | loss | grad norm | loss after SGD | = 1 GPU |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | error: {r['error']} |||||||||")
             continue
         lines.append(f"| {r['mode']} | {r['gpus']} | {r['ms']} | {r['tokens_per_s']:,} | {r.get('scaling', '-')} | "
-                     f"{r['peak_gib']} | {r['loss_batch0']:.5f} | {r['grad_norm']:.4g} | {r['loss_batch1']:.5f} | "
+                     f"{r['peak_gib']} | {r['loss']:.5f} | {r['grad_norm']:.4g} | {r['loss_after_sgd']:.5f} | "
                      f"{r.get('loss_matches_1gpu', '-')} |")
     return "\n".join(lines)
 
@@ -270,7 +271,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"))
-    p.add_argument("--sgd-lr", type=float, default=1.0, help="the loss check's SGD step")
+    p.add_argument("--sgd-step", type=float, default=1.0, help="L2 length of the loss check's SGD update")
     p.add_argument("--rtol", type=float, default=2e-2, help="loss/grad-norm agreement with 1 GPU (bf16 rounding)")
     p.add_argument("--budget-s", type=float, default=270.0, help="modes not started by then are skipped")
     p.add_argument("--out", help="write the results as JSON here (rank 0)")
@@ -317,12 +318,13 @@ def main(argv=None) -> None:
             row = dict(mode=mode, error="; ".join(errors)[:400])
         rows.append(row)
         log(f"[{time.time() - t_start:5.0f} s] {json.dumps(row)}")
-    compare(rows, args)
     if dist.get_rank() == 0:
+        compare(rows, args)
         print("\n" + markdown(rows) + f"\n\ntotal {time.time() - t_start:.0f} s", flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"versions": info, "rows": rows, "seconds": round(time.time() - t_start, 1)}, f, indent=1)
+    dist.barrier()  # leave together: a rank tearing down early can abort the others' transport
     dist.destroy_process_group()
 
 

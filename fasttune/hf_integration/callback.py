@@ -46,6 +46,10 @@ class FastPatchCallback(TrainerCallback):
         # A model that arrived with HF's checkpointing switched on: take its layers back.
         from ..model_patches.checkpointing import layer_checkpointing
 
+        from .distributed import register_zero3_lm_head, sharding_kind
+
+        if model is not None and sharding_kind(model) == "zero3":
+            register_zero3_lm_head(model)  # the fused loss reads lm_head outside its own forward
         ckpt = layer_checkpointing(model) if model is not None else None
         if ckpt is not None:
             ckpt.reclaim()

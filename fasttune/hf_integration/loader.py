@@ -213,7 +213,9 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
     except (OSError, ValueError, TypeError) as err:
         raise ModelLoadError(f"no usable tokenizer in {name!r}: {_first_line(err)}", "no_tokenizer", name) from None
 
-    kwargs = dict(dtype=dtype, device_map={"": device}, **hub)
+    kwargs = dict(dtype=dtype, **hub)
+    if not _zero3_enabled():  # ZeRO-3 partitions at load time; transformers refuses a device_map there
+        kwargs["device_map"] = {"": device}
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
@@ -288,6 +290,14 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if resolved is torch.bfloat16 and str(device).startswith("cuda") and not torch.cuda.is_bf16_supported():
         raise ValueError("dtype=bfloat16: this GPU has no bfloat16 support; use dtype='float16' (or 'auto')")
     return resolved
+
+
+def _zero3_enabled() -> bool:
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover - very old transformers
+        return False
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def check_4bit_support(device_map) -> None:

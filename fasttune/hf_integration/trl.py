@@ -27,6 +27,7 @@ from ..model_patches import find_causal_lm, patch_model, patch_report
 from ..model_patches.head import TrlHeadSettings, configure_trl_head, head_forward, install_trl_head
 from .callback import log_report
 from .throughput import ThroughputMeter
+from .distributed import set_ddp_defaults
 from .trainer import FastTrainerMixin, resolve_checkpointing
 
 logger = logging.getLogger("fasttune")
@@ -105,6 +106,7 @@ class FastTrlTrainerMixin(FastTrainerMixin):
         pos = self._args_position
         training_args = kwargs.get("args", args[pos] if len(args) > pos else None)
         self.fast_config = resolve_checkpointing(training_args, fast_config or FastConfig())
+        set_ddp_defaults(training_args, self.fast_config)
         super().__init__(*args, **kwargs)
         self._fast_after_init()
 

@@ -167,7 +167,9 @@ class AutoPolicy:
 
     def _pending_grad_bytes(self) -> int:
         """Gradients backward will allocate (trainable parameters without a .grad yet)."""
-        return sum(p.numel() * p.element_size() for p in self.base.parameters() if p.requires_grad and p.grad is None)
+        # A DTensor (FSDP2) parameter's gradient is its local shard.
+        return sum(_local(p).numel() * p.element_size() for p in self.base.parameters()
+                   if p.requires_grad and p.grad is None)
 
     def _head_bytes(self, hidden: torch.Tensor) -> int:
         if self.head_fused:
@@ -342,6 +344,10 @@ class CheckpointedLayerForward(PatchedForward):
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         return kwargs
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _tensors(obj):

@@ -260,7 +260,7 @@ def patch_head(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCon
     if not signature_has(type(base).forward, "labels"):
         report.fallback("cross_entropy", where, "forward takes no `labels` in this transformers version")
         return
-    if type(base.get_output_embeddings()) is not nn.Linear:
+    if not _is_linear(base.get_output_embeddings()):
         report.fallback("cross_entropy", where,
                         f"lm_head is {type(base.get_output_embeddings()).__name__}, not a plain nn.Linear")
         return

@@ -199,6 +199,14 @@ def scenario_ddp(rank: int, world: int) -> dict:
 
 # --- FSDP2 and DTensor lm_head -----------------------------------------------------------------------
 
+def _cpu_mesh():
+    """A 1-D mesh over the ranks on the CPU (also on a GPU machine, where the default would be CUDA)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+
+
 def _accelerate_fsdp2(model, rank: int, mixed_precision: str = "no"):
     """Shard ``model`` with accelerate's own FSDP2 preparation (accelerate's FSDP refuses CPU, so its
     Accelerator is stood in for by the few attributes ``fsdp2_prepare_model`` reads)."""
@@ -214,7 +222,8 @@ def _accelerate_fsdp2(model, rank: int, mixed_precision: str = "no"):
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed_precision,
-                                  is_main_process=rank == 0, device=torch.device("cpu"))
+                                  is_main_process=rank == 0, device=torch.device("cpu"), torch_device_mesh=_cpu_mesh(),
+                                  parallelism_config=SimpleNamespace(fsdp_dim_names=("dp_shard",)))
     return fsdp2_prepare_model(accelerator, model)
 
 
@@ -222,22 +231,20 @@ def _layers_and_root(model):
     """fully_shard each decoder layer and the root: lm_head stays in the root's unit."""
     from torch.distributed.fsdp import fully_shard
 
+    mesh = _cpu_mesh()
     for module in model.modules():
         if type(module).__name__ == "LlamaDecoderLayer":
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _dtensor_lm_head(model):
     """Only lm_head's weight sharded (a DTensor on a CPU mesh, no FSDP unit): the full_tensor path."""
-    import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     head = model.get_output_embeddings()
-    head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+    head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), _cpu_mesh(), [Shard(0)]))
     return model
 
 
