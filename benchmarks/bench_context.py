@@ -37,6 +37,8 @@ import time
 if "--unsloth-worker" in sys.argv:  # Unsloth must be imported before transformers
     import unsloth  # noqa: F401
 
+from pathlib import Path
+
 import torch
 
 GIB = 1 << 30
@@ -82,22 +84,11 @@ def build_model(nf4: bool, lora: bool = True):
 
 
 def to_nf4(model) -> None:
-    """Replace each decoder nn.Linear by a bitsandbytes NF4 Linear4bit quantized from its weight."""
-    import bitsandbytes as bnb
+    """Each decoder nn.Linear → bitsandbytes NF4 Linear4bit quantised from its weight (bench_step's builder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_step import to_nf4 as quantise
 
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if type(lin) is not torch.nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
-                                      compress_statistics=True, quant_type="nf4", device="meta")
-                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
-                                             quant_type="nf4", module=q).to(lin.weight.device)  # quantizes
-                setattr(parent, name, q)
-    model.is_loaded_in_4bit = True  # PEFT then wraps Linear4bit with its bnb LoRA layer
-    gc.collect()
-    torch.cuda.empty_cache()
+    quantise(model)
 
 
 def fast_config(mode, kernels: bool, **kw):

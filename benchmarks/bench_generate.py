@@ -28,7 +28,9 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,22 +64,11 @@ def build_model(layers: int, lora: bool, nf4: bool):
 
 
 def _to_nf4(model) -> None:
-    """Each decoder nn.Linear → bitsandbytes NF4 Linear4bit quantised from its weight (as bench_context.py)."""
-    import bitsandbytes as bnb
+    """Each decoder nn.Linear → bitsandbytes NF4 Linear4bit quantised from its weight (bench_step's builder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_step import to_nf4 as quantise
 
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if type(lin) is not torch.nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
-                                      compress_statistics=True, quant_type="nf4", device="meta")
-                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
-                                             quant_type="nf4", module=q).to(lin.weight.device)
-                setattr(parent, name, q)
-    model.is_loaded_in_4bit = True
-    gc.collect()
-    torch.cuda.empty_cache()
+    quantise(model)
 
 
 def prompts(batch: int, vocab: int, seed: int = 0):

@@ -60,6 +60,15 @@ def stock_forward(module: nn.Module):
     return module.__dict__.get("forward") or type(module).forward.__get__(module)
 
 
+def single_input(args: tuple, kwargs: dict):
+    """The one tensor a stock norm/MLP forward takes (positional, or named hidden_states/x), else None."""
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    if not args and len(kwargs) == 1:
+        return next(iter(kwargs.values()))
+    return None
+
+
 def signature_has(fn, *names: str) -> bool:
     """True when ``fn`` accepts each of ``names`` (as a named parameter or through **kwargs)."""
     params = inspect.signature(fn).parameters

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import FastConfig
 from .attention import float_dtype
 from .families import ACTIVATIONS, FamilySpec
-from .instance import PatchedForward, stock_forward, swap_forward
+from .instance import PatchedForward, single_input, stock_forward, swap_forward
 from .report import PatchReport
 
 OP = "mlp"
@@ -76,11 +76,8 @@ class FastMLPForward(PatchedForward):
         return getattr(self.module, self.act_attr)(gate) * up
 
     def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs:
-            x = args[0]
-        elif not args and len(kwargs) == 1:
-            x = next(iter(kwargs.values()))
-        else:
+        x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
+        if x is None:
             return self.stock(*args, **kwargs)
         if self.fused_mlp is not None:
             return self.fused_mlp(self.module, x)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import FastConfig
 from .families import FamilySpec
-from .instance import PatchedForward, stock_forward, swap_forward
+from .instance import PatchedForward, single_input, stock_forward, swap_forward
 from .report import PatchReport
 
 OP = "rms_norm"
@@ -43,12 +43,8 @@ class FastRMSNormForward(PatchedForward):
         self.casting = casting
 
     def __call__(self, *args, **kwargs):
-        # The stock forwards take one tensor (named hidden_states or x); anything else is theirs.
-        if len(args) == 1 and not kwargs:
-            x = args[0]
-        elif not args and len(kwargs) == 1:
-            x = next(iter(kwargs.values()))
-        else:
+        x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
+        if x is None:
             return self.stock(*args, **kwargs)
         weight = self.module.weight
         if (not isinstance(x, torch.Tensor) or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES

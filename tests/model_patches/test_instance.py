@@ -67,3 +67,11 @@ def test_signature_has():
 
     assert signature_has(f, "a", "b") and not signature_has(f, "c")
     assert signature_has(g, "anything")
+
+
+def test_single_input():
+    from fasttune.model_patches.instance import single_input
+
+    t = torch.zeros(1)
+    assert single_input((t,), {}) is t and single_input((), {"hidden_states": t}) is t
+    assert single_input((t, t), {}) is None and single_input((t,), {"x": t}) is None and single_input((), {}) is None
