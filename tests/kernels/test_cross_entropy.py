@@ -19,22 +19,11 @@ from fasttune.kernels import reference
 from fasttune.kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 
 from helpers.compare import check_fp32, check_lowp, rel_err
+from helpers.compare import make_head_inputs as make_inputs
 
 # The module, by path: the package attribute `fasttune.kernels.cross_entropy` names the function too.
 ce_mod = importlib.import_module("fasttune.kernels.cross_entropy")
 IGN = -100
-
-
-def make_inputs(device, N, D, V, dtype=torch.float32, bias=False, ignore_frac=0.2, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    kw = dict(generator=g, device=device)
-    h = torch.randn(N, D, **kw)
-    W = torch.randn(V, D, **kw) * D ** -0.5 * 2
-    b = torch.randn(V, **kw) * 0.5 if bias else None
-    y = torch.randint(0, V, (N,), **kw)
-    y[torch.rand(N, **kw) < ignore_frac] = IGN
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return cast(h), cast(W), cast(b), y
 
 
 def run(fn, h, W, b, y, upstream, frozen_w=False, **kw):

@@ -15,19 +15,9 @@ from fasttune.kernels import reference
 from fasttune.kernels.logprobs import fused_linear_logprobs
 
 from helpers.compare import check_fp32, check_lowp, rel_err
+from helpers.compare import make_head_inputs as make_inputs
 
 
-# make_inputs / check_fp32 / check_lowp mirror test_cross_entropy.py's (candidates for helpers/compare.py).
-def make_inputs(device, N, D, V, dtype=torch.float32, bias=False, ignore_frac=0.2, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    kw = dict(generator=g, device=device)
-    h = torch.randn(N, D, **kw)
-    W = torch.randn(V, D, **kw) * D ** -0.5 * 2
-    b = torch.randn(V, **kw) * 0.5 if bias else None
-    y = torch.randint(0, V, (N,), **kw)
-    y[torch.rand(N, **kw) < ignore_frac] = -100
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return cast(h), cast(W), cast(b), y
 
 
 def run(fn, h, W, b, y, ups, frozen_w=False, **kw):

@@ -47,3 +47,18 @@ def check_lowp(got: torch.Tensor, same: torch.Tensor, ref64: torch.Tensor, dtype
     e_t = (same.double() - ref64.double()).norm().item()
     bound = 2 * e_t + torch.finfo(dtype).eps * ref64.double().norm().item()
     assert e_k <= bound, f"{what}: ‖kernel − ref64‖ {e_k:.3g} > bound {bound:.3g} (torch {e_t:.3g})"
+
+
+def make_head_inputs(device, N: int, D: int, V: int, dtype=torch.float32, bias: bool = False,
+                     ignore_frac: float = 0.2, seed: int = 0):
+    """(hidden [N, D], weight [V, D], bias [V] or None, labels [N]) for the loss-head kernels;
+    ~ignore_frac of the labels are -100. Fresh values per seed."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(generator=g, device=device)
+    h = torch.randn(N, D, **kw)
+    W = torch.randn(V, D, **kw) * D ** -0.5 * 2
+    b = torch.randn(V, **kw) * 0.5 if bias else None
+    y = torch.randint(0, V, (N,), **kw)
+    y[torch.rand(N, **kw) < ignore_frac] = -100
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return cast(h), cast(W), cast(b), y
