@@ -118,7 +118,7 @@ def case_rope():
     # q/k as attention gets them: transposed views of [B, S, H, D] projection outputs (non-leaf).
     q_src, k_src = _randn(B, S, HQ, D).requires_grad_(), _randn(B, S, HK, D).requires_grad_()
     q_base, k_base = q_src * 1, k_src * 1  # non-leaf: the kernel may rotate them in place
-    ang = torch.rand(B, S, D // 2, device="cuda") * 100
+    ang = (torch.rand(B, S, D // 2, generator=_GEN) * 100).cuda()  # host RNG: see _randn
     emb = torch.cat((ang, ang), dim=-1)
     cos, sin = emb.cos().to(DT), emb.sin().to(DT)
     dq, dk = _randn(B, S, HQ, D).transpose(1, 2), _randn(B, S, HK, D).transpose(1, 2)
@@ -253,6 +253,35 @@ def tune_rms_norm_bwd(bw, reps):
         mod._BWD_TILE, mod._BWD_PROGRAMS_PER_SM, mod._num_warps = saved
 
 
+def tune_rope(bw, reps):
+    """Sweep RoPE's launch knobs (tokens per program via _TILE, num_warps), fwd+bwd and each pass."""
+    import fasttune.kernels.rope as mod
+
+    step, fns, nbytes, _ = case_rope()
+    q = _randn(B, S, HQ, D).transpose(1, 2)
+    k = _randn(B, S, HK, D).transpose(1, 2)
+    ang = (torch.rand(B, S, D // 2, generator=_GEN) * 100).cuda()  # host RNG: see _randn
+    cos, sin = torch.cat((ang, ang), -1).cos().to(DT), torch.cat((ang, ang), -1).sin().to(DT)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    saved = mod._TILE_FWD, mod._TILE_BWD, mod._num_warps
+    half_bytes = nbytes / 2
+    print("\n| tile (pairs/program) | num_warps | fwd+bwd ms | share | fwd in place ms | share | bwd (out of place) ms | share |"
+          "\n|---|---|---|---|---|---|---|---|")
+    try:
+        for tile in (1024, 2048, 4096, 8192):
+            for warps in (1, 2, 4, 8, 16):
+                mod._TILE_FWD = mod._TILE_BWD = tile
+                mod._num_warps = lambda pairs, w_=warps: w_
+                both, _ = gpu_time_ms(step(fns["fasttune"]), reps)
+                fwd, _ = gpu_time_ms(lambda: mod._launch(q, k, q, k, cos, sin, None, False), reps)
+                bwd, _ = gpu_time_ms(lambda: mod._launch(q, k, qo, ko, cos, sin, None, True), reps)
+                share = lambda ms, b: f"{100 * b / (ms * 1e-3) / bw:.1f}%"  # noqa: E731
+                print(f"| {tile} | {warps} | {both:.4f} | {share(both, nbytes)} | {fwd:.4f} | {share(fwd, half_bytes)} "
+                      f"| {bwd:.4f} | {share(bwd, half_bytes)} |", flush=True)
+    finally:
+        mod._TILE_FWD, mod._TILE_BWD, mod._num_warps = saved
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ops", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
@@ -260,6 +289,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--tune", action="store_true", help="also sweep the RMSNorm backward launch knobs")
+    p.add_argument("--tune-rope", action="store_true", help="also sweep RoPE's launch knobs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -299,6 +329,8 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps(results, indent=2))
     if args.tune:
         tune_rms_norm_bwd(bw, args.reps)
+    if args.tune_rope:
+        tune_rope(bw, args.reps)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""The 8B LoRA step of bench_step.py on N GPUs with DDP and FSDP2: tokens/s scaling vs 1 GPU, same loss.
+"""The 8B LoRA step of bench_step.py on N GPUs with DDP, FSDP2 and DeepSpeed ZeRO-3: tokens/s scaling vs 1 GPU.
 
 Model and step as in ``bench_step.py`` (its builders are imported): random-init Llama-3.1-8B shape
 in bf16, LoRA r=16 on the seven projections, fasttune patched with "offload" checkpointing,
 forward under bf16 autocast, backward, AdamW. Per GPU a micro-batch of ``--shape`` (4×2048) random
-tokens; the global batch is N of them. Three phases, one model build each:
+tokens; the global batch is N of them. Phases (``--modes``; zero3 only when named), one model build each:
 
   1gpu   rank 0 alone (the others wait): the global batch as N accumulated micro-batches, then the
          timed steps on one micro-batch (tokens/s of one GPU)
@@ -11,17 +11,28 @@ tokens; the global batch is N of them. Three phases, one model build each:
   fsdp2  fully_shard as accelerate lays it out: one unit per decoder layer, the embeddings, lm_head
          in a unit of its own (reshard_after_forward=False; the fused loss unshards it), the root;
          MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+  fsdp2-prefetch2  the same, each decoder layer all-gathering the next two layers' weights in
+         backward (``set_modules_to_backward_prefetch``; FSDP2's implicit prefetch is one layer)
+  zero3  DeepSpeed ZeRO stage 3 as accelerate's zero3_init_flag leaves the model: partitioned
+         (``zero.Init(module=...)``) before fasttune patches it, then ``deepspeed.initialize`` with
+         bf16 on, no gradient clipping and a torch AdamW client optimizer (no compiled DeepSpeed
+         ops); lm_head registered with the causal LM (``register_zero3_lm_head``) for the fused
+         loss. Fused LoRA falls back there (DeepSpeed's hooks on the projections; the row's
+         ``fallbacks`` says so). Skipped, with the reason in its row, when deepspeed is not installed.
 
 Loss check (before the timed steps, same weights in every phase): the global batch's loss (mean
 over all its tokens: each rank's token sum over the global count), the global gradient norm, one
 SGD step of L2 length ``--sgd-step`` along the gradient (the direction matters, unlike in Adam's
 first step) and the same batch's loss again. Each must equal the 1-GPU phase's up to bf16 rounding (``--rtol``).
+ZeRO-3 keeps the gradients in its partitions: the norm sums their local parts, and the SGD step is
+its AdamW's first step with eps ≫ |g|, which is lr/eps × g.
 Timed: median of ``--steps`` after ``--warmup``; tokens/s counts every rank's tokens;
 scaling = tokens/s ÷ (N × tokens/s of 1 GPU).
 
 Usage (H200s, repo root; < 5 minutes for N=2):
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
     accelerate launch --num_processes 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --modes 1gpu,zero3 --out $OUT/zero3.json
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --smoke    # CPU, gloo: checks the script
 """
 
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -73,7 +85,9 @@ except ImportError:  # bench_step.py absent: the same model, built here
                                                                 "up_proj", "down_proj"], task_type="CAUSAL_LM"))
 
 GIB = 1 << 30
-MODES = ("1gpu", "ddp", "fsdp2")
+MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-prefetch2", "zero3")
+DEFAULT_MODES = ("1gpu", "ddp", "fsdp2")  # zero3 on request: it needs deepspeed and another ~1.5 min
+SGD_EPS = 1e6  # AdamW's first step with eps this large is SGD with lr / eps (|g| ≪ eps)
 
 
 def device() -> torch.device:
@@ -98,31 +112,63 @@ def log(msg: str) -> None:
 
 # --- models ----------------------------------------------------------------------------------------
 
-def build(args):
-    """The patched LoRA model, identical on every rank (seeded builders), in training mode."""
+def build(args, mode: str):
+    """(the patched LoRA model, identical on every rank (seeded builders), in training mode; its
+    patch report). ZeRO-3 partitions the weights before the patch, as a zero.Init load would."""
     from fasttune import FastConfig, patch_model
 
     model = add_lora(build_base(SMOKE if args.smoke else LLAMA_8B))
+    if mode == "zero3":
+        import deepspeed
+
+        deepspeed.zero.Init(module=model, config_dict_or_path=zero3_config(args))
     report = patch_model(model, FastConfig(checkpointing=args.checkpointing))
     if not report.patched["cross_entropy"]:
         raise RuntimeError(f"fused loss not installed: {report}")
-    return model.train()
+    return model.train(), report
 
 
-def wrap(model, mode: str):
+def zero3_config(args) -> dict:
+    """accelerate's DeepSpeed ZeRO-3 settings, bf16 on GPUs; no clipping (the other phases do none)."""
+    return {"train_micro_batch_size_per_gpu": args.shape[0], "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
+            "bf16": {"enabled": torch.cuda.is_available()},
+            "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
+
+
+def zero3_engine(model, args):
+    """``deepspeed.initialize`` with a torch AdamW client optimizer; lm_head registered for the fused loss."""
+    import deepspeed
+    from fasttune.hf_integration.distributed import register_zero3_lm_head
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.0,
+                            fused=torch.cuda.is_available() or None)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=zero3_config(args))
+    if not register_zero3_lm_head(engine):
+        raise RuntimeError("lm_head is not a ZeRO-3 parameter: the fused loss would not run")
+    return engine
+
+
+def wrap(model, mode: str, args):
+    if mode == "zero3":
+        return zero3_engine(model, args)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
         return DDP(model, device_ids=ids, find_unused_parameters=False, gradient_as_bucket_view=True)
-    if mode == "fsdp2":
+    if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
                                   reduce_dtype=torch.float32)
         base = model.get_base_model()
-        for layer in base.model.layers:
+        layers = list(base.model.layers)
+        for layer in layers:
             fully_shard(layer, mp_policy=mp)
+        if mode == "fsdp2-prefetch2":  # all-gather two layers ahead in backward (implicit: one)
+            for i, layer in enumerate(layers):
+                layer.set_modules_to_backward_prefetch(layers[max(0, i - 2):i][::-1])
         fully_shard(base.model.embed_tokens, mp_policy=mp)
         fully_shard(base.lm_head, mp_policy=mp, reshard_after_forward=False)
         return fully_shard(model, mp_policy=mp)
@@ -138,25 +184,53 @@ def global_batch(args, world: int, seed: int) -> torch.Tensor:
     return torch.randint(4, vocab, (world * b, s), generator=g)
 
 
-def micro_loss(model, ids: torch.Tensor, n_items: int, scale: float) -> torch.Tensor:
-    """Token sum of ``ids`` over the global count ``n_items`` (× ``scale``), backward done; returns it unscaled."""
+def backward(model, loss: torch.Tensor, mode: str) -> None:
+    if mode == "zero3":
+        model.backward(loss)  # the engine reduce-scatters the gradients into its partitions
+    else:
+        loss.backward()
+
+
+def micro_loss(model, mode: str, ids: torch.Tensor, n_items: int, scale: float, grad: bool = True) -> torch.Tensor:
+    """Token sum of ``ids`` over the global count ``n_items`` (× ``scale``), backward done (``grad``);
+    returns it unscaled."""
     ids = ids.to(device())
-    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available()), \
+            torch.set_grad_enabled(grad):
         loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(n_items, device=device())).loss
-    (loss * scale).backward()
+    if grad:
+        backward(model, loss * scale, mode)
     return loss.detach().float()
 
 
-def grad_sq(model) -> torch.Tensor:
+def grad_sq(model, mode: str) -> torch.Tensor:
     """Sum of squared gradient entries held by this rank (float64)."""
     from torch.distributed.tensor import DTensor
 
     sq = torch.zeros((), device=device(), dtype=torch.float64)
     for p in model.parameters():
-        if p.grad is not None:
+        if mode == "zero3" and p.requires_grad:
+            from deepspeed.utils import safe_get_local_grad
+
+            sq += safe_get_local_grad(p).double().pow(2).sum()  # this rank's partition of the fp32 gradient
+        elif p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             sq += g.double().pow(2).sum()
     return sq
+
+
+def sgd_step(model, opt, mode: str, lr: float) -> None:
+    """One SGD step of ``lr`` (ZeRO-3: its AdamW's first step with eps ≫ |g|, see module doc)."""
+    if mode != "zero3":
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        return
+    saved = [dict(g) for g in model.optimizer.param_groups]
+    for g in model.optimizer.param_groups:
+        g.update(lr=lr * SGD_EPS, eps=SGD_EPS)
+    model.step()
+    for g, old in zip(model.optimizer.param_groups, saved):
+        g.update(lr=old["lr"], eps=old["eps"])
 
 
 def loss_check(model, mode: str, args, world: int) -> dict:
@@ -164,24 +238,25 @@ def loss_check(model, mode: str, args, world: int) -> dict:
     rank = dist.get_rank()
     b = args.shape[0]
     out = {}
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    opt = None if mode == "zero3" else torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     ids = global_batch(args, world, 1)
     n_items = ids.shape[0] * (ids.shape[1] - 1)
     for key in ("loss", "loss_after_sgd"):
+        grad = key == "loss" or mode != "zero3"  # ZeRO-3: no gradient to clear after the second loss
         if mode == "1gpu":  # the whole global batch here, as `world` accumulated micro-batches
-            loss = sum(micro_loss(model, ids[r * b:(r + 1) * b], n_items, 1.0) for r in range(world))
-        else:  # DDP/FSDP average the gradients: scale by the world size, as transformers does
-            loss = micro_loss(model, ids[rank * b:(rank + 1) * b], n_items, float(world))
+            loss = sum(micro_loss(model, mode, ids[r * b:(r + 1) * b], n_items, 1.0) for r in range(world))
+        else:  # DDP/FSDP/ZeRO average the gradients: scale by the world size, as transformers does
+            loss = micro_loss(model, mode, ids[rank * b:(rank + 1) * b], n_items, float(world), grad)
             dist.all_reduce(loss)
         out[key] = float(loss)
         if key == "loss":
-            sq = grad_sq(model)
-            if mode == "fsdp2":
+            sq = grad_sq(model, mode)
+            if mode.startswith("fsdp2") or mode == "zero3":
                 dist.all_reduce(sq)  # shards: sum of squares over ranks
             out["grad_norm"] = math.sqrt(float(sq))
-            opt.param_groups[0]["lr"] = args.sgd_step / max(out["grad_norm"], 1e-12)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+            sgd_step(model, opt, mode, args.sgd_step / max(out["grad_norm"], 1e-12))
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
     return out
 
 
@@ -189,17 +264,20 @@ def loss_check(model, mode: str, args, world: int) -> dict:
 
 def timed(model, mode: str, args, world: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = torch.cuda.is_available() and mode != "fsdp2"  # fused AdamW on plain tensors; foreach on DTensors
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused or None)
+    fused = torch.cuda.is_available() and not mode.startswith("fsdp2")  # fused AdamW on plain tensors; foreach on DTensors
+    opt = None if mode == "zero3" else torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused or None)
     b, s = args.shape
     ids = global_batch(args, world, 3)[dist.get_rank() * b:(dist.get_rank() + 1) * b].to(device())
 
     def step():
         with torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        backward(model, loss, mode)
+        if mode == "zero3":
+            model.step()  # the engine's AdamW on its partitions; zeroes the gradients
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     for _ in range(args.warmup):
         step()
@@ -224,9 +302,15 @@ def run_mode(mode: str, args, world: int) -> dict:
     row = dict(mode=mode)
     if mode == "1gpu" and dist.get_rank() != 0:
         return row
+    if mode == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        row["error"] = "skipped: deepspeed is not installed"
+        return row
     t0 = time.perf_counter()
     try:
-        model = wrap(build(args), mode)
+        model, report = build(args, mode)
+        row["patched"] = dict(report.patched)
+        row["fallbacks"] = sorted({f"{fb.op}: {fb.reason}" for fb in report.fallbacks})
+        model = wrap(model, mode, args)
         row["setup_s"] = round(time.perf_counter() - t0, 1)
         row.update(loss_check(model, mode, args, world))
         row.update(timed(model, mode, args, world))
@@ -266,7 +350,8 @@ def markdown(rows: list[dict]) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma-separated subset of " + ", ".join(MODES) + " (default: %(default)s)")
     p.add_argument("--shape", default="4x2048", help="per-GPU micro-batch, rows x sequence length")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (median reported)")
     p.add_argument("--warmup", type=int, default=2)
@@ -305,7 +390,7 @@ def main(argv=None) -> None:
     for mode in args.modes:
         if mode != "1gpu" and world == 1:
             continue
-        go = torch.tensor(int(time.time() - t_start < args.budget_s))
+        go = torch.tensor(int(time.time() - t_start < args.budget_s), device=device())  # NCCL: on the GPU
         dist.broadcast(go, 0)  # every rank skips or runs the same modes
         if not go:
             rows.append(dict(mode=mode, error="skipped: time budget"))

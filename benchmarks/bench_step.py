@@ -14,6 +14,10 @@ Stacks (each in its own process: Liger and Unsloth patch transformers' modules g
   fasttune  ``patch_model(model, FastConfig(checkpointing=...))``: every kernel including fused
             LoRA QKV/O/MLP with NF4 dequantised on the fly; fasttune's checkpointing ("offload"
             by default, ``--checkpointing recompute``)
+  fasttune-recompute  the same with checkpointing="recompute" (layer inputs stay on the GPU)
+  fasttune-auto       checkpointing="auto" inside ``--auto-budget-gib`` (80) of GPU memory for the
+            whole process (``torch.cuda.set_per_process_memory_fraction``): keeps as many layers'
+            activations as fit instead of recomputing them
   unsloth   ``FastLanguageModel.from_pretrained(dir, load_in_4bit=...)`` + ``get_peft_model(...,
             use_gradient_checkpointing="unsloth")``; needs a checkpoint, so the hf worker first
             saves the random bf16 model (with a tiny tokenizer) to ``--ckpt-dir`` (16 GB, reused
@@ -47,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 if "--worker" in sys.argv and sys.argv[sys.argv.index("--worker") + 1:][:1] == ["unsloth"]:
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # no network on the GPU machine
@@ -69,7 +74,7 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 SMOKE = dict(LLAMA_8B, vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-STACKS = ("hf", "liger", "fasttune", "unsloth")
+STACKS = ("hf", "liger", "fasttune", "fasttune-recompute", "fasttune-auto", "unsloth")
 WEIGHTS = ("bf16", "nf4")
 
 
@@ -167,10 +172,11 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         _apply_liger_kernel_to_instance(model=base)
     if stack in ("hf", "liger"):
         hf_checkpointing(base)
-    if stack == "fasttune":
+    if stack.startswith("fasttune"):
         from fasttune import FastConfig, patch_model
 
-        report = patch_model(model, FastConfig(checkpointing=args.checkpointing))
+        mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto"}.get(stack, args.checkpointing)
+        report = patch_model(model, FastConfig(checkpointing=mode))
         log("    " + str(report).replace("\n", "\n    "))
         n = shape["num_hidden_layers"]
         missing = [op for op in ("lora_qkv", "lora_o", "lora_mlp") if report.patched[op] != n]
@@ -243,20 +249,37 @@ def measure(step: Step, tokens: int, warmup: int, steps: int) -> dict:
                 loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times])
 
 
-def profile(step: Step, label: str, trace_dir: str | None, rows: int = 30) -> str:
-    """Key averages of one step, sorted by self device time (the top rows are the CUDA kernels)."""
+def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> str:
+    """Key averages of one step, sorted by self device time (the top rows are the CUDA kernels),
+    after a line comparing the step's wall time with the summed kernel time (a gap = GPU idle)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         step()
         sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(trace_dir, f"{label}.json"))
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
+    averages = prof.key_averages()
+    kernels_ms = sum(e.self_device_time_total for e in averages) / 1e3
+    groups: dict[str, float] = {}
+    for e in averages:  # kernel time by kind: GEMMs, attention, Triton (ours or peers'), the rest
+        t = e.self_device_time_total / 1e3
+        if t <= 0:
+            continue
+        n = e.key.lower()
+        kind = ("gemm" if any(w in n for w in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")) else
+                "attention" if any(w in n for w in ("flash", "fmha", "attention", "sdpa")) else
+                "triton" if e.key.startswith("_") or "triton" in n else "other")
+        groups[kind] = groups.get(kind, 0.0) + t
+    head = (f"wall {wall_ms:.1f} ms (profiled), kernels {kernels_ms:.1f} ms; by kind: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
+    return head + "\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
 
 
 # --- worker: one stack, all its configurations ------------------------------------------------
@@ -264,6 +287,9 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 30) -> st
 def worker(stack: str, args) -> None:
     shape = SMOKE if args.smoke else LLAMA_8B
     deadline = args.deadline_at
+    if stack == "fasttune-auto" and torch.cuda.is_available():
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.auto_budget_gib * GIB / total))
 
     def log(msg):
         print(msg, flush=True)
@@ -302,6 +328,13 @@ def worker(stack: str, args) -> None:
             step = Step(model, dict(input_ids=ids, labels=ids))
             try:
                 row.update(measure(step, b * s, args.warmup, args.steps))
+                if stack.startswith("fasttune"):
+                    from fasttune.model_patches.checkpointing import layer_checkpointing
+
+                    decision = getattr(layer_checkpointing(model), "decision", None)  # no local ref to the model
+                    if decision is not None:
+                        row["auto"] = str(decision)
+                        log(f"    {row['auto']}")
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
             except torch.OutOfMemoryError:
@@ -312,8 +345,12 @@ def worker(stack: str, args) -> None:
             model.zero_grad(set_to_none=True)
             release()
             emit(row)
+        weight = weakref.ref(next(p for p in model.parameters() if not p.requires_grad))
         del model, initial
         release()
+        if weight() is not None:  # the model outlived its last reference: say who holds it
+            log(f"    LEAK: {stack}/{weights} base weights still alive after del + gc: "
+                + "; ".join(sorted({type(r).__name__ for r in gc.get_referrers(weight())})))
 
 
 # --- driver --------------------------------------------------------------------------------------
@@ -327,6 +364,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
            "--stacks", ",".join(args.all_stacks), "--weights", ",".join(args.weights),
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing, "--ckpt-dir", args.ckpt_dir or "",
+           "--auto-budget-gib", str(args.auto_budget_gib),
            "--profile", ",".join(args.profile)] + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
@@ -361,20 +399,23 @@ def fmt_row(r: dict) -> str:
 
 
 def markdown(rows: list[dict], args) -> str:
-    """Tokens/s and peak GiB per stack × weights, one column pair per shape, speed-up vs hf."""
+    """Tokens/s and peak GiB per stack × weights, one column pair per shape, speed-ups vs hf and unsloth."""
     shapes = [f"{b}x{s}" for b, s in args.shapes]
     by = {(r["stack"], r["weights"], r["shape"]): r for r in rows}
-    head = "| stack | weights | " + " | ".join(f"{s} tok/s (× hf) | {s} peak GiB" for s in shapes) + " | step-1 loss |"
+    head = ("| stack | weights | " + " | ".join(f"{s} tok/s (× hf, × unsloth) | {s} peak GiB" for s in shapes)
+            + " | step-1 loss |")
     lines = [head, "|---|---|" + "---|---|" * len(shapes) + "---|"]
     for stack in args.stacks:
         for w in args.weights:
             cells, loss = [], ""
             for s in shapes:
-                r, ref = by.get((stack, w, s), {}), by.get(("hf", w, s), {})
+                r = by.get((stack, w, s), {})
                 if "tokens_per_s" not in r:
                     cells += [r.get("error", "-")[:60], ""]
                     continue
-                x = f" ({r['tokens_per_s'] / ref['tokens_per_s']:.2f}×)" if "tokens_per_s" in ref else ""
+                ratios = [f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}×"
+                          for ref in (by.get((base, w, s), {}) for base in ("hf", "unsloth")) if "tokens_per_s" in ref]
+                x = f" ({', '.join(ratios)})" if ratios else ""
                 cells += [f"{r['tokens_per_s']:,}{x}", str(r["peak_gib"])]
                 loss = loss or str(r["loss_step1"])
             lines.append(f"| {stack} | {w} | " + " | ".join(cells) + f" | {loss} |")
@@ -403,6 +444,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, optimizer states)")
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"),
                    help="fasttune's checkpointing mode")
+    p.add_argument("--auto-budget-gib", type=float, default=80.0,
+                   help="GPU memory the fasttune-auto process may use (weights included)")
     p.add_argument("--ckpt-dir", default=None,
                    help="where a worker saves the random model for unsloth ('' to skip; default "
                         "/tmp/fasttune_bench_step_llama8b, or _smoke)")

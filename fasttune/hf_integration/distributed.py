@@ -13,10 +13,16 @@ The patched forwards need no distributed code of their own in two of the three m
   patched head unshards lm_head's unit itself (``model_patches/head.py``); the root's post-backward
   reduce-scatters its gradient. accelerate's ``activation_checkpointing`` would wrap the decoder
   layers a second time: ``release_fsdp_checkpointing`` leaves the layers to fasttune.
-- DeepSpeed ZeRO-3 (UNTESTED here: no deepspeed wheel in this project's environments): parameters
-  are gathered only around the forward of a module that owns them. ``register_zero3_lm_head``
-  registers lm_head's parameters as external parameters of the causal LM, whose forward computes
-  the fused loss; until then (and if it fails) the head takes the stock path, which is exact.
+- DeepSpeed ZeRO-3: parameters are gathered only around the forward (and backward) of a module
+  that owns them or registered them. ``register_zero3_lm_head`` registers lm_head's parameters as
+  external parameters of the causal LM, whose forward computes the fused loss; until then (and if
+  it fails) the head takes the stock path, which is exact. (The head does not lean on DeepSpeed
+  registering a parameter it sees read during the engine's forward: that gathers it without
+  keeping it gathered, and a tied weight is released again after the embedding's forward.)
+  Tested on DeepSpeed's CPU accelerator (tests/test_distributed.py): LoRA and full fine-tuning,
+  tied embeddings, a model partitioned before or after patching, loss, gradients and AdamW steps
+  equal to one process. The fused LoRA path falls back under ZeRO-3 (its hooks sit on every
+  projection), and the patch report says so only when the model was partitioned before patching.
 
 Export and Hub uploads run on the main process, but a sharded model must first be gathered by
 every rank: ``gathered_weights`` (FSDP2, FSDP1, ZeRO-3) is entered by all ranks around the export.
@@ -124,19 +130,20 @@ def release_fsdp_checkpointing(accelerator, config: FastConfig) -> bool:
 # --- DeepSpeed ZeRO-3 ------------------------------------------------------------------------------
 
 def register_zero3_lm_head(model: nn.Module) -> bool:
-    """Let the fused loss see ZeRO-3's lm_head weight (UNTESTED: no deepspeed here).
+    """Let the fused loss see ZeRO-3's lm_head weight.
 
     The loss runs in the causal LM's forward, not in lm_head's, so ZeRO-3 would leave lm_head's
     weight partitioned there. ``deepspeed.zero.register_external_parameter`` tells it to gather the
     weight (and bias) around the causal LM's forward and backward, where the patched head then finds
     it whole. (``GatheredParameters`` would not do: it re-partitions when its block ends, before
     backward, and gradients cannot reach a partitioned parameter through it.) Call after the
-    parameters were partitioned (``zero.Init`` at load, or ``deepspeed.initialize``).
+    parameters were partitioned (``zero.Init`` at load, or ``deepspeed.initialize``), before the
+    first forward that should be fused; ``model`` may be the ``DeepSpeedEngine``.
 
     Returns:
         True when registered (or already); False when the weight is not a ZeRO-3 parameter.
     """
-    base = find_causal_lm(model)
+    base = find_causal_lm(_unwrap_engine(model))
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     params = [p for p in (getattr(head, "weight", None), getattr(head, "bias", None)) if p is not None]
     if not params or not all(hasattr(p, "ds_id") for p in params):
@@ -149,6 +156,11 @@ def register_zero3_lm_head(model: nn.Module) -> bool:
         if not any(p is q for q in known):
             deepspeed.zero.register_external_parameter(base, p)
     return True
+
+
+def _unwrap_engine(model: nn.Module) -> nn.Module:
+    """The model inside a ``deepspeed.DeepSpeedEngine`` (by name: deepspeed is imported only when present)."""
+    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 class DistributedHeadCallback(TrainerCallback):
@@ -171,8 +183,9 @@ def gathered_weights(model: nn.Module, is_main: bool, to_cpu: bool = True) -> It
     FSDP2 (DTensor parameters): each is gathered with ``full_tensor`` (the fp32 master, not the
     mixed-precision copy) and, on the main process only, put in place of the shard as a plain
     parameter (on the CPU with ``to_cpu``; tied parameters stay tied); the shards are put back at
-    the end. FSDP1: ``summon_full_params(rank0_only=True)``. ZeRO-3 (untested):
-    ``deepspeed.zero.GatheredParameters`` over every parameter (the whole model on each GPU).
+    the end. FSDP1: ``summon_full_params(rank0_only=True)``. ZeRO-3:
+    ``deepspeed.zero.GatheredParameters`` over every parameter: the whole model in its training
+    dtype on every rank's device for the block (``to_cpu`` does not apply), partitioned again after.
 
     Args:
         model: the trained (possibly wrapped) model.

@@ -16,9 +16,12 @@ Backward from dY [N, out]; W and b are frozen and get no gradient:
     dA  = dYBᵀ X                   [r, in]
     dB  = s · dYᵀ XA               [out, r]
 
-The rank-r term of Y (and of dX) is written first and the big base product accumulates onto it
-in cuBLAS's epilogue (beta = 1), free in a compute-bound product, instead of a read-modify-write
-pass over Y afterwards.
+Y starts as the stock layer's own product (``F.linear(X, W, b)``, the same cuBLAS call) and
+the rank-r term is added onto it, so a fresh adapter (B = 0) gives bitwise the base layer's
+output: a DPO policy at step 0 equals its reference (adapters disabled) exactly, as in stock
+PEFT, instead of differing by GEMM rounding that the summed log-ratios amplify. In dX the
+rank-r term is written first and the big base product accumulates onto it in cuBLAS's epilogue
+(beta = 1), free in a compute-bound product.
 
 Saved for backward: X and XA (r columns) only; not Y, and never a dequantised W: an NF4 W is
 dequantised again in backward into a scratch buffer that dies with the call. dX is skipped
@@ -203,24 +206,19 @@ def stacked_xa(x2: torch.Tensor, adapters) -> torch.Tensor | None:
 
 
 def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch) -> list[torch.Tensor]:
-    """Y_p = s_p·XA_p B_pᵀ (+ b_p) + X W_pᵀ for each projection p of one input (rank-r term
-    first, base product accumulated in the epilogue; module docstring)."""
+    """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p of one input: the base product
+    first, exactly as the stock layer computes it, then the rank-r term added in one pass
+    (module docstring: with B = 0 the output is bitwise the base layer's)."""
     dt = x2.dtype
     ys, col = [], 0
     for base, ad in zip(bases, adapters):
         w = base.materialize(out=scratch, dtype=dt)
-        bias = None if base.bias is None else base.bias.to(dt)
-        if ad is None:
-            ys.append(F.linear(x2, w, bias))
-            continue
-        a, b, s = ad
-        xa_p, bt = xa[:, col:col + a.shape[0]], b.to(dt).t()
-        col += a.shape[0]
-        if bias is None:  # beta = 0: the first argument only lends its shape and is never read
-            y = torch.addmm(bt[0], xa_p, bt, beta=0, alpha=s)
-        else:
-            y = torch.addmm(bias, xa_p, bt, alpha=s)
-        ys.append(y.addmm_(x2, w.t()))
+        y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
+        if ad is not None:
+            a, b, s = ad
+            y.addmm_(xa[:, col:col + a.shape[0]], b.to(dt).t(), alpha=s)
+            col += a.shape[0]
+        ys.append(y)
     return ys
 
 

@@ -129,7 +129,7 @@ class LoRAMLPFunction(torch.autograd.Function):
     """down(act(gate(x)) · up(x)) with LoRA on each projection; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, ag, bg, au, bu, ad, bd, bases, scalings, act):
+    def forward(ctx, x, ag, bg, au, bu, ad, bd, bases, scalings, act, output_unused=False):
         gate, up, down = bases
         x2 = x.reshape(-1, gate.shape[1])
         scratch = scratch_for(bases, x.dtype, x.device)
@@ -139,7 +139,10 @@ class LoRAMLPFunction(torch.autograd.Function):
         h = glu_forward(g, u, act)
         d_adapters = adapters_of((ad, bd), scalings[2:])
         ha = stacked_xa(h, d_adapters)
-        (y,) = project(h, (down,), d_adapters, ha, scratch)
+        if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
+            y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+        else:
+            (y,) = project(h, (down,), d_adapters, ha, scratch)
         ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd)
         ctx.bases, ctx.scalings, ctx.act, ctx.consumed = bases, scalings, act, False
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], down.shape[0]))  # not a view: safe to modify in place
@@ -168,10 +171,10 @@ class LoRAMLPFunction(torch.autograd.Function):
         dx, da, db = group_backward(x2, (g, u), xa, (gate, up), adapters_of((ag, bg, au, bu), ctx.scalings[:2]),
                                     (need[0], need[1:5:2], need[2:5:2]), scratch)
         return (None if dx is None else dx.view(x.shape), da[0], db[0], da[1], db[1], da_d, db_d,
-                None, None, None)
+                None, None, None, None)
 
 
-def lora_mlp(x: torch.Tensor, gate, up, down, activation: str = "silu") -> torch.Tensor:
+def lora_mlp(x: torch.Tensor, gate, up, down, activation: str = "silu", *, output_unused: bool = False) -> torch.Tensor:
     """Gated MLP ``down(act(gate(x)) * up(x))`` with LoRA adapters, one fused autograd Function.
 
     Args:
@@ -182,6 +185,9 @@ def lora_mlp(x: torch.Tensor, gate, up, down, activation: str = "silu") -> torch
             gate and up are [I, D], down is [D_out, I].
         activation: "silu" (SwiGLU: Llama, Mistral, Qwen), "gelu_tanh" (GeGLU: Gemma) or
             "gelu" (exact erf GeGLU).
+        output_unused: the caller discards the output and only needs the backward state (a
+            checkpoint recompute): the down projection is skipped and the output is all NaN.
+            The saved state, and so every gradient, is the same as without it.
 
     Returns:
         [..., D_out] in x's dtype. Gradients flow to x and every lora_a/lora_b. Backward may
@@ -210,4 +216,4 @@ def lora_mlp(x: torch.Tensor, gate, up, down, activation: str = "silu") -> torch
     bases = tuple(sp[0] for sp in specs)
     scalings = tuple(sp[3] for sp in specs)
     tensors = [t for sp in specs for t in sp[1:3]]
-    return LoRAMLPFunction.apply(x, *tensors, bases, scalings, activation)
+    return LoRAMLPFunction.apply(x, *tensors, bases, scalings, activation, bool(output_unused))

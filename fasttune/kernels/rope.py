@@ -42,7 +42,12 @@ from fasttune.kernels._backend import check_float, check_same_device, use_triton
 __all__ = ["apply_rope", "RopeFunction"]
 
 _MAX_HEAD_BLOCK = 32  # heads per tile; more heads loop
-_TILE = 2048  # rotated pairs per program and tensor (tokens are stacked up to this)
+# Rotated pairs per program and tensor (tokens are stacked up to this), forward (in place) and
+# backward (out of place). H200 sweep, q [4,32,4096,128] k [4,8,4096,128] bf16 (bench_kernels.py
+# --tune-rope): 4096 pairs at 1 warp forward (91% of copy bandwidth), 2048 at 1 warp backward
+# (86%); 4 warps cost 10 points, and a tile of 8192 wants 2 warps.
+_TILE_FWD = 4096
+_TILE_BWD = 2048
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,9 +157,10 @@ def _launch(q, k, qo, ko, cos, sin, position_ids, backward):
     block_hk = min(triton.next_power_of_2(max(nk, 1)), _MAX_HEAD_BLOCK)
     inplace = qo is q and ko is k
     block_p = triton.next_power_of_2(max(head_dim - 2 * half, 1))
-    # Tokens per program: one for wide tokens (32 heads × 64 pairs already fill a program),
-    # several when heads are few or narrow, so each program still moves a few KiB.
-    block_t = max(1, min(16, _TILE // (block_hq * block_d)))
+    # Tokens per program: one or two for wide tokens (32 heads × 64 pairs already fill a program),
+    # more when heads are few or narrow, so each program still moves a few KiB.
+    tile = _TILE_BWD if backward else _TILE_FWD
+    block_t = max(1, min(16, tile // (block_hq * block_d)))
     warps = _num_warps(block_t * block_hq * block_d)
     _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
         q, k, qo, ko, cos, sin, pos,
@@ -167,7 +173,8 @@ def _launch(q, k, qo, ko, cos, sin, position_ids, backward):
 
 
 def _num_warps(pairs: int) -> int:
-    return 4 if pairs >= 1024 else 2
+    """One warp per 4096 rotated pairs of a program (sweep above), at least one, at most eight."""
+    return max(1, min(8, pairs // 4096))
 
 
 def _may_overwrite(t: torch.Tensor) -> bool:

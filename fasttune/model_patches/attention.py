@@ -32,7 +32,7 @@ from torch import nn
 
 from ..config import FastConfig
 from .families import FamilySpec
-from .instance import PatchedForward, stock_forward, swap_forward
+from .instance import PatchedForward, few_rows_without_grad, stock_forward, swap_forward
 from .report import PatchReport
 
 OP_ROPE = "rope"
@@ -102,7 +102,8 @@ class FastAttentionForward(PatchedForward):
         self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
 
     def _rope(self, q, k, cos, sin):
-        if self.use_rope_kernel and _rope_fits(q, k, cos, sin):
+        if self.use_rope_kernel and _rope_fits(q, k, cos, sin) and not (
+                self.stock_rope is not None and few_rows_without_grad(q.shape[0] * q.shape[2])):  # B·S tokens
             from ..kernels.rope import apply_rope
 
             return apply_rope(q, k, cos, sin)
@@ -124,6 +125,11 @@ class FastAttentionForward(PatchedForward):
         m = self.module
         if cache is None:
             cache = past_key_values
+        if few_rows_without_grad(hidden_states.numel() // max(1, hidden_states.shape[-1])):
+            # A decode step: the stock forward (no kernel here pays off; fewer Python frames).
+            if cache is not None:
+                kwargs = {**kwargs, ("cache" if self.cache_kwargs else "past_key_values"): cache}
+            return self.stock(hidden_states, position_embeddings, attention_mask, **kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
 

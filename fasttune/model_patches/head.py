@@ -80,9 +80,14 @@ class FusedLossCausalLMForward(PatchedForward):
         head = self.module.get_output_embeddings()
         if not _is_linear(head):
             return None  # a LoRA-wrapped or quantised lm_head: stock path
-        weight, bias = head.weight, head.bias
-        if hasattr(weight, "ds_id"):
+        own = dict(head.named_parameters(recurse=False))
+        if hasattr(own.get("weight"), "ds_id"):
+            # Not ``head.weight``: inside DeepSpeed's forward that getter gathers the weight and
+            # registers it with this module on the fly, without keeping it gathered for this
+            # forward (a tied weight is released after the embedding's forward, before the loss).
+            weight, bias = own["weight"], own.get("bias")
             return (weight, bias) if _zero3_ready(self.module, weight, bias) else None
+        weight, bias = head.weight, head.bias
         if _is_local(weight) and _is_local(bias):
             return (weight, bias) if weight.numel() > 0 else None
         if not (self.module.training and torch.is_grad_enabled()):

@@ -41,6 +41,8 @@ from ..config import FastConfig
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.lora_glu import lora_mlp
 from .attention import attention_forward
+from .checkpointing import recomputing
+from .instance import stock_is_faster
 from .families import ACTIVATIONS, FamilySpec
 from .lora_specs import lora_spec
 from .mlp import check_mlp, config_activation, mlp_forward
@@ -106,6 +108,8 @@ def projection_specs(module: nn.Module, names: tuple[str, ...]):
 
 def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
     """``projection_specs`` plus the checks against this call's input x (dtype, device)."""
+    if stock_is_faster(x):  # first: a decode step should not pay for the checks below (~90 µs)
+        return "a decode step (few rows, no autograd): the stock layers launch fewer kernels"
     specs = projection_specs(module, names)
     if isinstance(specs, str):
         return specs
@@ -172,21 +176,30 @@ class LoRAOHook(_Hook):
 
 class LoRAMLPHook(_Hook):
     """``fused_mlp`` through ``lora_mlp`` (separate gate/up) or lora_linear → GLU kernel →
-    lora_linear (Phi-3's gate_up_proj). A call that does not qualify runs the module's stock forward."""
+    lora_linear (Phi-3's gate_up_proj). A call that does not qualify runs the module's stock forward.
 
-    def __init__(self, names: tuple[str, ...], previous, activation: str, stock):
+    ``skip_unused``: the family's MLP output only enters the residual sum, so inside a checkpoint
+    recompute (whose output is discarded) ``lora_mlp`` may skip the down projection.
+    """
+
+    def __init__(self, names: tuple[str, ...], previous, activation: str, stock, skip_unused: bool = False):
         super().__init__(names, previous)
         self.activation = activation
         self.stock = stock
+        self.skip_unused = skip_unused
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         specs = call_specs(module, self.names, x)
         if isinstance(specs, str):
             if self.previous is not None:
                 return self.previous(module, x)
-            return self.stock(x)
+            # The same activation kernel as a fused call: a disabled adapter (DPO's reference pass)
+            # then computes bitwise what a fresh adapter (B = 0) computes.
+            fwd = mlp_forward(module)
+            return fwd.unfused(x) if fwd is not None else self.stock(x)
         if len(specs) == 3:
-            return lora_mlp(x, *specs, activation=self.activation)
+            unused = self.skip_unused and recomputing()
+            return lora_mlp(x, *specs, activation=self.activation, output_unused=unused)
         from ..kernels.swiglu import geglu, swiglu
 
         gate, up = (t.contiguous() for t in lora_linear(x, *specs[0]).chunk(2, dim=-1))
@@ -253,7 +266,8 @@ def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, 
     if reason is not None:
         report.fallback(OP_MLP, name, reason)
         return
-    _install(fwd, "fused_mlp", LoRAMLPHook(names, fwd.fused_mlp, activation, fwd.stock), report, OP_MLP)
+    hook = LoRAMLPHook(names, fwd.fused_mlp, activation, fwd.stock, skip_unused=not spec.mlp_output_saved)
+    _install(fwd, "fused_mlp", hook, report, OP_MLP)
 
 
 def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:

@@ -31,6 +31,8 @@ def _base_weight(layer: nn.Module) -> BaseWeight | str:
         return "base layer bias is trainable"
     if weight.requires_grad:
         return "base layer weight is trainable"
+    if hasattr(weight, "ds_id"):
+        return "DeepSpeed ZeRO-3 partitions the base weight (gathered only inside the layer's own forward)"
     if type(layer).__name__ == "Linear8bitLt" or hasattr(weight, "SCB"):
         return "8-bit bitsandbytes base layer"
     quant_state = getattr(weight, "quant_state", None)

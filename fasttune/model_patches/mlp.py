@@ -23,7 +23,7 @@ from torch import nn
 from ..config import FastConfig
 from .attention import float_dtype
 from .families import ACTIVATIONS, FamilySpec
-from .instance import PatchedForward, single_input, stock_forward, swap_forward
+from .instance import PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .report import PatchReport
 
 OP = "mlp"
@@ -77,10 +77,14 @@ class FastMLPForward(PatchedForward):
 
     def __call__(self, *args, **kwargs):
         x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
-        if x is None:
+        if x is None or stock_is_faster(x):
             return self.stock(*args, **kwargs)
         if self.fused_mlp is not None:
             return self.fused_mlp(self.module, x)
+        return self.unfused(x)
+
+    def unfused(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's own projections around the activation kernel (what a fused hook falls back to)."""
         gate, up = self._gate_up(x)
         return self.module.down_proj(self._act(gate, up))
 

@@ -1,6 +1,7 @@
 """hf_integration/distributed.py in one process: DDP defaults, FSDP checkpointing hand-over, ZeRO-3
-registration (DeepSpeed stood in for: it is not installed here) and the export gather's no-op case.
-The multi-process behaviour (DDP, FSDP2, export on rank 0) is in tests/test_distributed.py."""
+registration (DeepSpeed's registration table stood in for) and the export gather's no-op case.
+The multi-process behaviour (DDP, FSDP2, real DeepSpeed ZeRO-3, export on rank 0) is in
+tests/test_distributed.py."""
 
 import copy
 import sys

@@ -140,6 +140,29 @@ def test_saves_x_g_u_not_h(device):
     assert sum(saved) == n * d + 2 * n * i + n * (8 + 4) + n * 8 + adapters
 
 
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_output_unused_skips_down_but_keeps_every_gradient(device, nf4, monkeypatch):
+    """output_unused (a checkpoint recompute): no down product, NaN output, bitwise-equal gradients."""
+    torch.manual_seed(4)
+    x = torch.randn(29, 64, device=device, requires_grad=True)
+    specs = [proj(150, 64, 8, torch.float32, device, 19, nf4=nf4), proj(150, 64, 4, torch.float32, device, 20),
+             proj(64, 150, 8, torch.float32, device, 21, nf4=nf4)]
+    params = [x] + [t for _, a, b, _ in specs for t in (a, b)]
+    dy = torch.randn(29, 64, device=device)
+    y = lora_mlp(x, *specs)
+    full = torch.autograd.grad(y, params, dy)
+    projected = []
+    real_project = lora_glu.project
+    monkeypatch.setattr(lora_glu, "project", lambda x2, bases, *a: projected.append(len(bases)) or
+                        real_project(x2, bases, *a))
+    y_skip = lora_mlp(x, *specs, output_unused=True)
+    assert projected == [2]  # gate and up only
+    assert y_skip.shape == y.shape and torch.isnan(y_skip).all()
+    skipped = torch.autograd.grad(y_skip, params, dy)
+    for name, a, b in zip(["x", "ag", "bg", "au", "bu", "ad", "bd"], full, skipped):
+        assert torch.equal(a, b), name
+
+
 def test_backward_twice_raises(device):
     x = torch.randn(8, 64, device=device, requires_grad=True)
     specs = [proj(96, 64, 4, torch.float32, device, s) for s in (16, 17)] + [proj(64, 96, 4, torch.float32, device, 18)]

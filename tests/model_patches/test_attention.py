@@ -98,7 +98,7 @@ def test_kv_cache_with_either_keyword_name_matches_stock():
 def test_lora_hooks_replace_the_projections():
     model = tiny_model("llama", seed=6).eval()
     patch_model(model, FastConfig())
-    batch = make_batch(model.config.vocab_size, seed=7)
+    batch = make_batch(model.config.vocab_size, batch=4, seq=20, seed=7)  # > 64 rows: not a decode step
     with torch.no_grad():
         before = model(**batch).logits
     calls = []
@@ -218,7 +218,7 @@ def test_cache_update_follows_the_stock_api():
     patch_model(model, FastConfig())
     fwd = _attention_forwards(model)[0]
     assert fwd.cache_kwargs == ("cache" in inspect.signature(type(fwd.module).forward).parameters)
-    hidden, pos_emb = _layer0_inputs(model, 3)
+    hidden, pos_emb = _layer0_inputs(model, 40)  # 80 rows: the patched path, not a decode step's stock one
     for cache_kwargs, expected in ((True, {"kwargs": {"position_ids": None}}), (False, {})):
         fwd.cache_kwargs = cache_kwargs
         for name in ("cache", "past_key_values"):

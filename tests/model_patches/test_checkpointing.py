@@ -16,7 +16,7 @@ from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model, unpatch_model
 from fasttune.model_patches.checkpointing import (
     STATE_ATTR, SavedBytesMeter, install_checkpointing, layer_checkpointing, resident_layers)
-from fasttune.model_patches.families import family_for
+from fasttune.model_patches.families import FAMILIES, family_for
 from fasttune.model_patches.report import PatchReport
 from helpers.tiny_models import make_batch, tiny_model
 
@@ -112,6 +112,43 @@ def test_lora_on_frozen_embeddings_without_input_require_grads(device, model_typ
     assert seen == [False]
     assert all("lora_" in n for n in got[1])
     _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_lora_recompute_skips_the_unused_down_projection_exactly(model_type, monkeypatch):
+    """Fused LoRA under recompute: families whose MLP output only enters the residual skip the down
+    product in the recompute (the MLP Function sees output_unused=True there, once per layer);
+    families that save it (post-feedforward norms) never do. Gradients equal an unchecked run's."""
+    from fasttune.kernels import lora_glu
+
+    flags = []
+    real = lora_glu.LoRAMLPFunction.forward
+
+    def spy(ctx, *args):
+        flags.append(bool(args[-1]))
+        return real(ctx, *args)
+
+    monkeypatch.setattr(lora_glu.LoRAMLPFunction, "forward", staticmethod(spy))
+    runs = []
+    for mode in (None, "recompute"):
+        model = _model(model_type, lora=True)
+        report = patch_model(model, FastConfig(checkpointing=mode, cross_entropy=False, rms_norm=False, rope=False))
+        layers = model.config.num_hidden_layers
+        fused = report.patched.get("lora_mlp", 0)
+        flags.clear()
+        runs.append(_step(model, make_batch(model.config.vocab_size, seed=0)))
+    # After the recompute run: forward (False per fused layer), then the recompute in backward.
+    spec = family_for(model_type)
+    assert fused == layers, str(report)
+    if spec.mlp_layout == "fused":  # Phi-3's gate_up_proj: lora_linear → GLU → lora_linear, nothing to skip
+        assert flags == []
+    else:
+        assert flags == [False] * layers + [not spec.mlp_output_saved] * layers, flags
+    loss_ref, grads_ref = runs[0]
+    loss, grads = runs[1]
+    assert torch.equal(loss, loss_ref)
+    for name, g in grads.items():
+        assert torch.allclose(g, grads_ref[name], rtol=1e-6, atol=1e-9), name
 
 
 def test_with_every_kernel_patched_too():

@@ -171,8 +171,10 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
     over 20 steps: ≤ 1e-2 relative for either). Bounds: the patched curve's mean distance to fp32
     ≤ 2× the stock bf16 curve's + 3e-3 (the Triton interpreter truncates fp32→bf16 instead of
     rounding, which biases the CPU run: measured ≤ 1.7× + 1.9e-3), and per step patched vs stock
-    bf16 within 2e-2 relative (measured ≤ 4e-3): several bf16 ulps, far below what a wrong
-    formula does (≥ 1e-1 on these losses).
+    bf16 within 2e-2 relative (measured ≤ 4e-3 over 20 CPU steps) plus that step's own bf16 drift
+    from fp32: two bf16 runs that round differently drift apart as far as either drifts from fp32
+    (H200, qwen3, 50 steps: 2.15e-2 apart at a step where stock bf16 was 2.5e-2 from fp32 and the
+    patched run was closer to fp32). A wrong formula is off by ≥ 1e-1 on these losses.
     """
     ref32 = tiny_model(model_type, seed=5, vocab_size=1000)  # the large-vocab path is covered in fp32
     stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
@@ -185,7 +187,7 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
     assert torch.isfinite(cf).all() and cf[-2:].max() < 0.8 * cf[:2].min(), detail  # it trains
     dev_stock, dev_fast = ((c - c32).abs() / c32.abs() for c in (cs, cf))
     assert dev_fast.mean() <= 2 * dev_stock.mean() + 3e-3, detail
-    assert ((cf - cs).abs() / cs.abs()).max() <= 2e-2, detail
+    assert (((cf - cs).abs() / cs.abs()) <= 2e-2 + dev_stock).all(), detail
 
 
 @pytest.mark.slow  # 10–30 s each on 2 CPU cores (the interpreter runs ~60 launches per step)

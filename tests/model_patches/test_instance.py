@@ -6,7 +6,8 @@ import inspect
 import torch
 from torch import nn
 
-from fasttune.model_patches.instance import PatchedForward, signature_has, stock_forward, swap_forward
+from fasttune.model_patches.instance import (
+    STOCK_INFERENCE_MAX_ROWS, PatchedForward, signature_has, stock_forward, stock_is_faster, swap_forward)
 from fasttune.model_patches.report import PatchReport
 
 
@@ -75,3 +76,32 @@ def test_single_input():
     t = torch.zeros(1)
     assert single_input((t,), {}) is t and single_input((), {"hidden_states": t}) is t
     assert single_input((t, t), {}) is None and single_input((t,), {"x": t}) is None and single_input((), {}) is None
+
+
+def test_stock_is_faster_only_for_few_rows_without_autograd():
+    rows = STOCK_INFERENCE_MAX_ROWS
+    decode, prefill = torch.zeros(8, 1, 16), torch.zeros(2, rows, 16)
+    with torch.no_grad():
+        assert stock_is_faster(decode) and stock_is_faster(torch.zeros(rows, 16))
+        assert not stock_is_faster(prefill)
+        assert not stock_is_faster("not a tensor") and not stock_is_faster(torch.tensor(1.0))
+    assert not stock_is_faster(decode)  # training and anything else with autograd: the kernels
+
+
+def test_decode_steps_run_stock_code_and_prefill_the_kernels(monkeypatch):
+    """A patched model in no-grad mode: a one-token step launches no fasttune kernel, a prompt does."""
+    from fasttune import FastConfig, patch_model
+    from fasttune.kernels import rms_norm as rms_mod, rope as rope_mod, swiglu as swiglu_mod
+    from helpers.tiny_models import tiny_model
+
+    calls = []
+    for mod, name in ((rms_mod, "rms_norm"), (rope_mod, "apply_rope"), (swiglu_mod, "swiglu")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    model = tiny_model("llama", vocab_size=1000).eval()
+    patch_model(model, FastConfig())
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 1000, (2, 1)))
+        assert calls == []
+        model(input_ids=torch.randint(0, 1000, (2, STOCK_INFERENCE_MAX_ROWS)))
+        assert {"rms_norm", "apply_rope", "swiglu"} <= set(calls)

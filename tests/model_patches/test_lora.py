@@ -162,6 +162,22 @@ def test_nf4_qlora_matches_peft(model_type, device, spy):
     assert sum(spy.values()) == fused_calls_per_forward(model_type), spy
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "phi3"])
+def test_fresh_adapter_output_is_bitwise_the_disabled_adapter_output(model_type, device, spy):
+    """B = 0 (PEFT's default init): the fused path's output equals the adapters-disabled pass
+    exactly, as in stock PEFT, so DPO's policy/reference log-ratios start at exactly 0."""
+    model = lora_model(model_type, device, init_lora_weights=True)
+    patch_model(model, FastConfig())
+    model.train()
+    ids = make_batch(VOCAB, seed=3, device=device)["input_ids"]
+    with torch.enable_grad():  # the training path (fused Functions), logits returned without labels
+        policy = model(input_ids=ids).logits
+        with model.disable_adapter():
+            reference = model(input_ids=ids).logits
+    assert spy["lora_qkv"] + spy["lora_linear"] + spy["lora_mlp"] >= fused_calls_per_forward(model_type) - LAYERS
+    assert torch.equal(policy, reference)
+
+
 def test_adapters_on_some_projections_only(device, spy):
     """PEFT's default targets (q, v): k runs base-only inside lora_qkv; O and MLP have nothing to fuse."""
     stock, fast, report = stock_and_fast("llama", device, seed=4, targets=["q_proj", "v_proj"])
@@ -218,7 +234,7 @@ def test_ineligible_modules_keep_peft_path(model_type, lora_kw, setup, expected,
 
 def test_disable_merge_and_unload_after_patching(device, spy):
     stock, fast, report = stock_and_fast("llama", device, seed=6)
-    batch = make_batch(VOCAB, seed=16, device=device)
+    batch = make_batch(VOCAB, batch=4, seq=20, seed=16, device=device)  # > 64 rows: no-grad calls stay fused
     fast.eval(), stock.eval()
     with_adapter = logits(stock, batch)
 
@@ -320,7 +336,8 @@ def test_call_specs_follow_bitsandbytes_compute_dtype(device):
     attn.k_proj.base_layer.compute_dtype, attn.k_proj.base_layer.compute_type_is_set = None, False
     assert isinstance(lora_mod.call_specs(attn, names, x), list)
     with torch.no_grad():  # inference: bitsandbytes' 4-bit kernels (dense layers stay fused)
-        assert "NF4 inference" in lora_mod.call_specs(attn, names, x)
+        assert "NF4 inference" in lora_mod.call_specs(attn, names, x.repeat(1, 30, 1))
+        assert "decode step" in lora_mod.call_specs(attn, names, x)  # 6 rows: stock, whatever the base
     qs = attn.q_proj.base_layer.weight.quant_state
     qs.packing_format_for_cpu = True
     assert "repacked" in lora_mod.projection_specs(attn, names)

@@ -140,3 +140,10 @@ def test_ineligible_layers_give_reasons(device):
         cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], **{"lora_dropout": 0.0, **kw})
         other = peft.get_peft_model(Block(), cfg).base_model.model
         assert reason in lora_spec(other.q_proj), kw
+
+
+def test_zero3_partitioned_base_weight_is_named(device):
+    """A base weight DeepSpeed ZeRO-3 partitioned (it carries ``ds_id``) keeps PEFT's path, and says why."""
+    _, block = peft_block(device, targets=("q_proj",))
+    block.q_proj.base_layer.weight.ds_id = 7
+    assert "ZeRO-3" in lora_spec(block.q_proj)

@@ -1,4 +1,4 @@
-"""Multi-process (gloo, CPU) checks of fasttune under DDP and FSDP2: the per-rank script and its launcher.
+"""Multi-process (gloo, CPU) checks of fasttune under DDP, FSDP2 and ZeRO-3: the per-rank script and its launcher.
 
 ``launch(scenario, out_dir)`` starts ``world_size`` processes of this file with the environment
 torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) and returns what each
@@ -322,6 +322,116 @@ def scenario_fsdp2(rank: int, world: int, *cases: str) -> dict:
     batches = _global_batches(2, world)
     return {"cases": [_fsdp_case(name, rank, world, batches, spies)
                       for name in cases]}
+
+
+# --- DeepSpeed ZeRO-3 (its CPU accelerator over gloo) ---------------------------------------------------
+
+# Stage 3 with no persistence threshold (the tiny lm_head is partitioned too), no gradient
+# clipping (DeepSpeed's default clips at 1.0; the single process does not), fp32.
+ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+                "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+class _ShapeSpy(_Spy):
+    """Records the weight's shape on each call (whole, or the empty partition ZeRO-3 leaves)."""
+
+    def __call__(self, x, w, *args, **kwargs):
+        self.calls.append(list(w.shape))
+        return self.original(x, w, *args, **kwargs)
+
+
+class _Counter:
+    """Counts the calls of a module-level function."""
+
+    def __init__(self, module, name):
+        self.original, self.calls = getattr(module, name), 0
+        setattr(module, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.original(*args, **kwargs)
+
+
+def _adamw(model):
+    import torch
+
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+
+
+def _zero3_case(name: str, rank: int, world: int, batches, spy, lora_calls) -> dict:
+    """"lora": patched, then partitioned by ``deepspeed.initialize``. "full_init" / "full_tied_init":
+    full fine-tuning, partitioned before patching (as transformers' ``zero.Init`` load leaves a
+    model). Two AdamW steps through the engine, the first before ``register_zero3_lm_head``, then
+    the export gather."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+    from fasttune.hf_integration.distributed import gathered_weights, register_zero3_lm_head, sharding_kind
+
+    lora, tied, partition_first = name == "lora", "tied" in name, name.endswith("_init")
+    model = _model(lora=lora, tied=tied)
+    if partition_first:
+        deepspeed.zero.Init(module=model, config_dict_or_path=ZERO3_CONFIG)
+    model, patched = _patched(model)
+    ref, _ = _patched(_model(lora=lora, tied=tied)) if rank == 0 else (None, None)
+    ref_opt = _adamw(ref) if rank == 0 else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=ZERO3_CONFIG)
+    module = engine.module
+    head, causal_lm = module.get_output_embeddings(), module.get_base_model() if lora else module
+    out = {"case": name, "patched": patched, "kind": sharding_kind(module), "steps": [],
+           "partition_numel": head.weight.numel()}
+    for step, batch in enumerate(batches):
+        if step == 1:
+            out["external_before"] = sum(p is head.weight for _, p in causal_lm.ds_external_parameters())
+            out["registered"] = [register_zero3_lm_head(engine), register_zero3_lm_head(module)]  # idempotent
+            out["external_after"] = sum(p is head.weight for _, p in causal_lm.ds_external_parameters())
+        n = _n_items(batch)
+        spy.take()
+        before = sum(c.calls for c in lora_calls)
+        loss = engine(**_shard(batch, rank, world), num_items_in_batch=n).loss * world
+        engine.backward(loss)
+        record = {"head_calls": spy.take(), "fused_lora_calls": sum(c.calls for c in lora_calls) - before}
+        summed = loss.detach() / world
+        torch.distributed.all_reduce(summed)
+        grads = {k: safe_get_full_grad(p) for k, p in module.named_parameters() if p.requires_grad}  # collective
+        if rank == 0:
+            ref_loss = ref(**batch, num_items_in_batch=n).loss
+            ref_loss.backward()
+            ref_params = dict(ref.named_parameters())
+            errs = {k: _rel(g, ref_params[k].grad) for k, g in grads.items() if g is not None}
+            record.update(loss_err=_rel(summed, ref_loss), max_grad_err=max(errs.values()),
+                          missing=sorted(k for k, g in grads.items() if g is None),
+                          lm_head_err=next((e for k, e in errs.items() if k.endswith("lm_head.weight")), None))
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        engine.step()
+        out["steps"].append(record)
+    with gathered_weights(engine, is_main=rank == 0) as m:  # every rank gathers; the main one compares
+        if rank == 0:
+            ref_params = dict(ref.named_parameters())
+            out["export_shapes_equal"] = all(p.shape == ref_params[k].shape for k, p in module.named_parameters())
+            out["export_err"] = max(_rel(p, ref_params[k]) for k, p in module.named_parameters())
+        out["export_is_engine"] = m is engine
+    out["after_export_numel"] = head.weight.numel()
+    return out
+
+
+def scenario_zero3(rank: int, world: int, *cases: str) -> dict:
+    """DeepSpeed ZeRO-3 on the CPU, ``cases`` among "lora", "full_init", "full_tied_init" (see
+    ``_zero3_case``): loss, gradients and AdamW steps against one process on the global batch."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (~25 s of g++ on first use);
+    # without it every collective goes through gloo. (The attribute ``deepspeed.comm.torch`` is
+    # torch itself: the submodule is taken from sys.modules.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import fasttune.model_patches.head as head_module
+    import fasttune.model_patches.lora as lora_module
+
+    spy = _ShapeSpy(head_module, "fused_linear_cross_entropy")
+    lora_calls = [_Counter(lora_module, f) for f in ("lora_qkv", "lora_linear", "lora_mlp")]
+    batches = _global_batches(2, world)
+    return {"cases": [_zero3_case(name, rank, world, batches, spy, lora_calls) for name in cases]}
 
 
 # --- FastTrainer under DDP: export and push on rank 0 only ----------------------------------------------

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU measurements behind benchmarks/RESULTS.md, packed for one device call (H200 machine, repo root).
+#
+#   bash benchmarks/gpu_suite.sh OUTDIR JOB[,JOB...] [JOB[,JOB...]]
+#
+# Each argument after OUTDIR is a lane: its comma-separated jobs run one after another on one GPU
+# (lane i on GPU i), lanes run side by side. Jobs and their time caps (seconds, env overridable):
+#   step      bench_step.py: hf, liger, fasttune (offload / recompute / auto in 80 GiB), unsloth;
+#             bf16 and NF4; 4x2048 and 1x8192 (more flags: STEP_ARGS)           STEP_S=540
+#   kernels   bench_kernels.py, with the RoPE launch sweep unless KERNELS_ARGS="" KERNELS_S=90
+#   tests     pytest -m gpu (every suite), then the fused-LoRA/checkpointing files TESTS_S=150 (+60)
+#   generate  bench_generate.py: bf16 and bf16+LoRA, batch 1 and 8, 32 layers     GENERATE_S=110
+#   trl       bench_trl.py: DPO and GRPO steps                                   TRL_S=130
+#   multi     torchrun over every GPU: bench_multi_gpu.py (a lane of its own;
+#             MULTI_ARGS="--modes 1gpu,ddp,fsdp2,fsdp2-prefetch2,zero3" for every phase) MULTI_S=300
+#   context   bench_context.py --only a (fasttune and HF, batch 1 QLoRA)        CONTEXT_S=300
+# Logs and JSON land in OUTDIR; at most 8 files come back from a device call, so tar OUTDIR into $OUT:
+#   bash benchmarks/gpu_suite.sh /tmp/r step kernels,tests,trl,generate; tar czf $OUT/r.tgz -C /tmp r
+set -u
+out=${1:?usage: gpu_suite.sh OUTDIR LANE [LANE...]}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+job() {  # job NAME GPU
+    local name=$1 gpu=$2
+    local env="CUDA_VISIBLE_DEVICES=$gpu"
+    case $name in
+        step) env $env timeout "${STEP_S:-540}" python3 benchmarks/bench_step.py --budget-s $(( ${STEP_S:-540} - 20 )) \
+                --stacks hf,liger,fasttune,fasttune-recompute,fasttune-auto,unsloth --steps 3 --warmup 1 \
+                --out "$out/step.json" ${STEP_ARGS:-} ;;
+        kernels) env $env timeout "${KERNELS_S:-90}" python3 benchmarks/bench_kernels.py --no-compile \
+                --reps 15 --out "$out/kernels.json" ${KERNELS_ARGS---tune-rope} ;;
+        tests) env $env timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests
+                env $env timeout 60 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/kernels/test_lora_glu.py \
+                tests/kernels/test_lora.py tests/model_patches/test_checkpointing.py ;;
+        generate) env $env timeout "${GENERATE_S:-110}" bash -c "python3 benchmarks/bench_generate.py --new-tokens 64 --repeats 2 \
+                --out $out/generate.json; python3 benchmarks/bench_generate.py --lora --new-tokens 64 --repeats 2 \
+                --out $out/generate_lora.json" ;;
+        trl) env $env timeout "${TRL_S:-130}" python3 benchmarks/bench_trl.py --budget-s $(( ${TRL_S:-130} - 40 )) \
+                --out "$out/trl.json" ;;
+        multi) timeout "${MULTI_S:-300}" torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" \
+                benchmarks/bench_multi_gpu.py --budget-s $(( ${MULTI_S:-300} - 40 )) --out "$out/multi_gpu.json" \
+                ${MULTI_ARGS:-} ;;
+        context) env $env timeout "${CONTEXT_S:-300}" python3 benchmarks/bench_context.py --only a \
+                --stacks fasttune,hf --deadline $(( ${CONTEXT_S:-300} - 20 )) --out "$out/context.json" ;;
+        *) echo "unknown job $name" >&2; return 2 ;;
+    esac
+}
+
+lane() {  # lane GPU JOBS
+    local gpu=$1 jobs=$2 name
+    for name in ${jobs//,/ }; do
+        echo "[$(date +%T)] gpu$gpu: $name"
+        job "$name" "$gpu" > "$out/$name.log" 2>&1
+        echo "[$(date +%T)] gpu$gpu: $name rc=$?"
+    done
+}
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+gpu=0
+for jobs in "$@"; do
+    lane "$gpu" "$jobs" &
+    gpu=$((gpu + 1))
+done
+wait
