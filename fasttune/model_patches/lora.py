@@ -42,8 +42,8 @@ from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.lora_glu import lora_mlp
 from .attention import attention_forward
 from .checkpointing import recomputing
-from .instance import stock_is_faster
 from .families import ACTIVATIONS, FamilySpec
+from .instance import stock_is_faster
 from .lora_specs import lora_spec
 from .mlp import check_mlp, config_activation, mlp_forward
 from .report import PatchReport
