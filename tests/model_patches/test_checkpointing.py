@@ -151,6 +151,31 @@ def test_lora_recompute_skips_the_unused_down_projection_exactly(model_type, mon
         assert torch.allclose(g, grads_ref[name], rtol=1e-6, atol=1e-9), name
 
 
+@pytest.mark.parametrize("mode", ["offload", "auto"])
+def test_lora_down_skip_under_offload_and_auto_is_exact(mode, monkeypatch):
+    """The recompute flag reaches the MLP under "offload" and under "auto" (layers beyond the
+    resident ones); gradients stay equal to an unchecked run's."""
+    from fasttune.kernels import lora_glu
+
+    flags = []
+    real = lora_glu.LoRAMLPFunction.forward
+    monkeypatch.setattr(lora_glu.LoRAMLPFunction, "forward",
+                        staticmethod(lambda ctx, *args: flags.append(bool(args[-1])) or real(ctx, *args)))
+    runs = []
+    for m in (None, mode):
+        model = _model("llama", lora=True)
+        patch_model(model, FastConfig(checkpointing=m, cross_entropy=False, rms_norm=False, rope=False))
+        flags.clear()
+        runs.append(_step(model, make_batch(model.config.vocab_size, seed=2)))
+    layers = model.config.num_hidden_layers
+    # auto on a CPU without a budget: layer 0 runs resident once (measured), the rest offloaded
+    recomputed = layers - 1 if mode == "auto" else layers
+    assert flags == [False] * layers + [True] * recomputed, flags
+    assert torch.equal(runs[0][0], runs[1][0])
+    for name, g in runs[1][1].items():
+        assert torch.allclose(g, runs[0][1][name], rtol=1e-6, atol=1e-9), name
+
+
 def test_with_every_kernel_patched_too():
     """Checkpointing wraps the layer; the norm/attention/MLP/head patches inside it are unaffected."""
     results = []
