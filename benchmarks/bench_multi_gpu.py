@@ -13,12 +13,16 @@ tokens; the global batch is N of them. Phases (``--modes``; zero3 only when name
          MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
   fsdp2-prefetch2  the same, each decoder layer all-gathering the next two layers' weights in
          backward (``set_modules_to_backward_prefetch``; FSDP2's implicit prefetch is one layer)
+  fsdp2-gathered  fsdp2, then fasttune's ``keep_adapter_layers_gathered`` (FastTrainer does it at
+         train begin): the LoRA layers stay all-gathered from forward to backward when they fit
+         half the free memory (one all-gather per step instead of three)
   zero3  DeepSpeed ZeRO stage 3 as accelerate's zero3_init_flag leaves the model: partitioned
          (``zero.Init(module=...)``) before fasttune patches it, then ``deepspeed.initialize`` with
          bf16 on, no gradient clipping and a torch AdamW client optimizer (no compiled DeepSpeed
-         ops); lm_head registered with the causal LM (``register_zero3_lm_head``) for the fused
-         loss. Fused LoRA falls back there (DeepSpeed's hooks on the projections; the row's
-         ``fallbacks`` says so). Skipped, with the reason in its row, when deepspeed is not installed.
+         ops); lm_head registered with the causal LM and the LoRA projections with their attention
+         / MLP (``register_zero3_lm_head``, ``register_zero3_fused_lora``: what FastTrainer does at
+         train begin), so the fused loss and fused LoRA run on gathered weights. Skipped, with the
+         reason in its row, when deepspeed is not installed.
 
 Loss check (before the timed steps, same weights in every phase): the global batch's loss (mean
 over all its tokens: each rank's token sum over the global count), the global gradient norm, one
@@ -85,8 +89,8 @@ except ImportError:  # bench_step.py absent: the same model, built here
                                                                 "up_proj", "down_proj"], task_type="CAUSAL_LM"))
 
 GIB = 1 << 30
-MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-prefetch2", "zero3")
-DEFAULT_MODES = ("1gpu", "ddp", "fsdp2")  # zero3 on request: it needs deepspeed and another ~1.5 min
+MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-gathered", "fsdp2-prefetch2", "zero3")
+DEFAULT_MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-gathered")  # zero3 on request: it needs deepspeed and another ~1.5 min
 SGD_EPS = 1e6  # AdamW's first step with eps this large is SGD with lr / eps (|g| ≪ eps)
 
 
@@ -137,15 +141,17 @@ def zero3_config(args) -> dict:
 
 
 def zero3_engine(model, args):
-    """``deepspeed.initialize`` with a torch AdamW client optimizer; lm_head registered for the fused loss."""
+    """``deepspeed.initialize`` with a torch AdamW client optimizer; lm_head and the LoRA projections
+    registered for the fused paths."""
     import deepspeed
-    from fasttune.hf_integration.distributed import register_zero3_lm_head
+    from fasttune.hf_integration.distributed import register_zero3_fused_lora, register_zero3_lm_head
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.0,
                             fused=torch.cuda.is_available() or None)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=zero3_config(args))
     if not register_zero3_lm_head(engine):
         raise RuntimeError("lm_head is not a ZeRO-3 parameter: the fused loss would not run")
+    log(f"zero3: LoRA projections registered with {register_zero3_fused_lora(engine)} attention/MLP modules")
     return engine
 
 
@@ -171,7 +177,13 @@ def wrap(model, mode: str, args):
                 layer.set_modules_to_backward_prefetch(layers[max(0, i - 2):i][::-1])
         fully_shard(base.model.embed_tokens, mp_policy=mp)
         fully_shard(base.lm_head, mp_policy=mp, reshard_after_forward=False)
-        return fully_shard(model, mp_policy=mp)
+        model = fully_shard(model, mp_policy=mp)
+        if mode == "fsdp2-gathered":  # what FastTrainer does at train begin (FastConfig's default: "auto")
+            from fasttune import FastConfig
+            from fasttune.hf_integration.distributed import keep_adapter_layers_gathered
+
+            log(f"fsdp2-gathered: {keep_adapter_layers_gathered(model, FastConfig())} units kept gathered")
+        return model
     return model
 
 

@@ -216,11 +216,15 @@ class Step:
         self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused or None)
 
     def __call__(self) -> torch.Tensor:
-        with torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda"):
+        from torch.profiler import record_function  # phase names in profiles (no cost otherwise)
+
+        with record_function("forward"), torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda"):
             loss = self.model(**self.batch).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
 
@@ -256,14 +260,20 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=True) as prof:
         t0 = time.perf_counter()
         step()
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
-    if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace_dir, f"{label}.json"))
+    import tempfile
+
+    from trace_gaps import gap_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(trace_dir or tmp, f"{label}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        prof.export_chrome_trace(path)
+        gaps = gap_report(path)
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     averages = prof.key_averages()
     kernels_ms = sum(e.self_device_time_total for e in averages) / 1e3
@@ -279,7 +289,28 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
         groups[kind] = groups.get(kind, 0.0) + t
     head = (f"wall {wall_ms:.1f} ms (profiled), kernels {kernels_ms:.1f} ms; by kind: "
             + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
-    return head + "\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
+    return (head + "\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
+            + "\n" + gemm_table(prof) + "\n\n" + gaps)
+
+
+def gemm_table(prof, rows: int = 30) -> str:
+    """Matrix products of the profiled step grouped by op and input shapes: calls, device ms, TFLOP/s."""
+    out = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        t = e.device_time_total if torch.cuda.is_available() else e.cpu_time_total
+        if e.key not in ("aten::mm", "aten::addmm", "aten::addmm_") or t <= 0:
+            continue
+        shapes = [s for s in e.input_shapes if s]
+        a, b = (shapes[1], shapes[2]) if e.key != "aten::mm" else (shapes[0], shapes[1])
+        if len(a) != 2 or len(b) != 2:
+            continue
+        flops = 2.0 * a[0] * a[1] * b[1] * e.count
+        ms = t / 1e3
+        out.append((ms, f"| {e.key} | {a[0]}x{a[1]} @ {b[0]}x{b[1]} | {e.count} | {ms:.1f} | {flops / ms / 1e9:.0f} |"))
+    out.sort(key=lambda t: -t[0])
+    total = sum(ms for ms, _ in out)
+    return (f"GEMMs by shape ({total:.1f} ms in aten::mm/addmm)\n| op | shapes | calls | ms | TFLOP/s |\n"
+            "|---|---|---|---|---|\n" + "\n".join(line for _, line in out[:rows]))
 
 
 # --- worker: one stack, all its configurations ------------------------------------------------

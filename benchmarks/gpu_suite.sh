@@ -14,6 +14,10 @@
 #   multi     torchrun over every GPU: bench_multi_gpu.py (a lane of its own;
 #             MULTI_ARGS="--modes 1gpu,ddp,fsdp2,fsdp2-prefetch2,zero3" for every phase) MULTI_S=300
 #   context   bench_context.py --only a (fasttune and HF, batch 1 QLoRA)        CONTEXT_S=300
+#   gemm      bench_gemm.py: one 8B layer's matrix products, and regroupings     GEMM_S=60
+#   launch    accelerate launch examples/multi_gpu/train.py over every GPU with ddp.yaml,
+#             fsdp2.yaml and deepspeed_zero3.yaml: the embedded model (full fine-tuning) and
+#             a LoRA run of it saved to a folder (FastTrainer's on_train_begin setup)  LAUNCH_S=100 each
 # Logs and JSON land in OUTDIR; at most 8 files come back from a device call, so tar OUTDIR into $OUT:
 #   bash benchmarks/gpu_suite.sh /tmp/r step kernels,tests,trl,generate; tar czf $OUT/r.tgz -C /tmp r
 set -u
@@ -44,8 +48,27 @@ job() {  # job NAME GPU
                 ${MULTI_ARGS:-} ;;
         context) env $env timeout "${CONTEXT_S:-300}" python3 benchmarks/bench_context.py --only a \
                 --stacks fasttune,hf --deadline $(( ${CONTEXT_S:-300} - 20 )) --out "$out/context.json" ;;
+        gemm) env $env timeout "${GEMM_S:-60}" python3 benchmarks/bench_gemm.py --out "$out/gemm.json" ;;
+        launch) launch_examples ;;
         *) echo "unknown job $name" >&2; return 2 ;;
     esac
+}
+
+launch_examples() {  # every accelerate config of examples/multi_gpu, full fine-tuning and LoRA
+    local n cfg model
+    n=$(nvidia-smi -L | wc -l)
+    python3 -c "from fasttune import embedded; t = embedded.build_tokenizer(); m = embedded.build_model(t); \
+m.save_pretrained('/tmp/ft_embedded'); t.save_pretrained('/tmp/ft_embedded')" || return 1
+    for cfg in ddp fsdp2 deepspeed_zero3; do
+        for model in "" /tmp/ft_embedded; do
+            echo "=== $cfg ${model:-embedded (full)}"
+            timeout "${LAUNCH_S:-100}" python3 -m accelerate.commands.launch --num_processes "$n" \
+                --config_file "examples/multi_gpu/$cfg.yaml" examples/multi_gpu/train.py --steps 30 \
+                --per-device-batch-size 8 --max-length 32 --output-dir "/tmp/ft_launch_$cfg" \
+                ${model:+--model $model} 2>&1 | grep -E "fasttune:|process\(es\)|patched|fallback|Error|error" | head -40
+            echo "=== rc=${PIPESTATUS[0]}"
+        done
+    done
 }
 
 lane() {  # lane GPU JOBS

@@ -52,6 +52,14 @@ class FastConfig:
     memory_budget_gb: float | None = field(default=None, metadata={
         "help": "GPU memory 'auto' checkpointing may use for activations; None: free memory minus a margin."})
 
+    # --- multi-GPU -----------------------------------------------------------------------
+    fsdp_reshard_after_forward: bool | None = field(default=None, metadata={
+        "help": "FSDP2 units whose parameters are adapters over a frozen base (LoRA/QLoRA decoder layers): "
+                "True leaves FSDP's reshard-after-forward; False keeps their weights gathered from forward "
+                "to backward (one all-gather per step instead of two or three; each GPU holds those layers "
+                "unsharded at the end of forward, as DDP does); None: False when those layers take at most "
+                "half of the free GPU memory."})
+
     # --- logging -------------------------------------------------------------------------
     log_throughput: bool = field(default=True, metadata={
         "help": "FastTrainer logs tokens/s and peak GPU memory with each log line."})
@@ -81,6 +89,9 @@ class FastConfig:
             raise ValueError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
         if self.memory_budget_gb is not None and self.checkpointing != "auto":
             raise ValueError("memory_budget_gb only applies to checkpointing='auto'")
+        if self.fsdp_reshard_after_forward not in (None, True, False):
+            raise ValueError(f"fsdp_reshard_after_forward must be None, True or False, "
+                             f"got {self.fsdp_reshard_after_forward!r}")
         if self.loss_workspace_mib < 1:
             raise ValueError(f"loss_workspace_mib must be >= 1, got {self.loss_workspace_mib}")
         self.export_artifacts = _choices("export_artifacts", self.export_artifacts, ARTIFACTS)

@@ -36,3 +36,36 @@ def test_bench_step_smoke_every_fasttune_stack(tmp_path):
 
 def test_gpu_suite_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], check=True)
+
+
+def test_trace_gaps_attributes_idle_time_to_phases_and_launching_ops():
+    """bench_step's profile reads GPU idle gaps out of a Chrome trace: host-bound when the next
+    kernel's launch started after the GPU went idle; grouped by annotated phase and launching op."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from trace_gaps import gap_report
+
+    ev = []
+
+    def add(cat, ts, dur, name, **args):
+        ev.append(dict(ph="X", cat=cat, ts=ts, dur=dur, name=name, args=args))
+
+    add("user_annotation", 0, 500, "forward")
+    add("user_annotation", 500, 500, "backward")
+    add("cpu_op", 0, 50, "aten::mm")
+    add("cuda_runtime", 1, 2, "cudaLaunchKernel", correlation=1)
+    add("kernel", 10, 100, "gemm_a", correlation=1)
+    add("cpu_op", 140, 20, "aten::add")
+    add("cuda_runtime", 150, 2, "cudaLaunchKernel", correlation=2)
+    add("kernel", 155, 100, "add_kernel", correlation=2)          # 45 us, host-bound
+    add("cuda_driver", 200, 2, "cuLaunchKernelEx", correlation=3)
+    add("kernel", 300, 100, "triton_kernel", correlation=3)       # 45 us, launched early: not host-bound
+    add("cpu_op", 600, 30, "MyFunction")
+    add("cuda_runtime", 610, 2, "cudaLaunchKernel", correlation=4)
+    add("kernel", 620, 10, "gemm_b", correlation=4)               # 220 us in backward, host-bound
+    report = gap_report({"traceEvents": ev}, min_us=20)
+    lines = report.splitlines()
+    assert lines[0].startswith("GPU span 0.6 ms, idle in gaps >= 20 us: 0.3 ms (3 gaps; CPU-bound 0.3 ms)")
+    assert lines[1] == "by phase: backward 0.2 ms, forward 0.1 ms"
+    assert lines[2].startswith("by launching op: MyFunction 0.2 ms")
+    assert lines[5] == "| 220 | backward | yes | MyFunction | triton_kernel | gemm_b |"
+    assert "| 45 | forward | no | - | add_kernel | triton_kernel |" in lines

@@ -31,6 +31,7 @@ def test_round_trip_with_values():
     (dict(hub_model_id="a/b/c"), "hub_model_id"),
     (dict(loss_workspace_mib=0), "loss_workspace_mib"),
     (dict(merged_dtype="int8"), "merged_dtype"),
+    (dict(fsdp_reshard_after_forward="no"), "fsdp_reshard_after_forward"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -84,6 +84,24 @@ def test_fsdp2_accelerate_layout_matches_one_process(tmp_path):
 
 @needs_dist
 @pytest.mark.distributed
+def test_fsdp2_adapter_layers_kept_gathered_match_one_process(tmp_path):
+    """LoRA decoder-layer units kept all-gathered from forward to backward (fsdp_reshard_after_forward
+    = False): their frozen weights are still whole between forward and backward (resharded DTensors
+    by default), "auto" changes nothing without CUDA, and loss and gradients equal one process."""
+    ranks = launch("fsdp2", tmp_path, "lora", "lora_gathered")
+    for rank in ranks:
+        default, gathered = rank["cases"]
+        assert default["layer_param_types_after_forward"] == ["DTensor"]
+        assert gathered["kept_gathered_auto"] == 0 and gathered["kept_gathered"] == 2  # both decoder layers
+        assert gathered["layer_param_types_after_forward"] == ["Parameter"]
+    gathered = ranks[0]["cases"][1]
+    _check_kernel_inputs(ranks, 1, "torch.float32")
+    _check_fp32_steps(gathered)
+    assert gathered["export_err"] <= 1e-6 and gathered["after_export_types"] == ["DTensor"]
+
+
+@needs_dist
+@pytest.mark.distributed
 def test_fsdp2_lm_head_in_root_unit_and_dtensor_lm_head(tmp_path):
     """lm_head inside the root's unit (unsharded for the whole forward: read as is) and an lm_head
     whose weight alone is a DTensor (``full_tensor``, gradient averaged back onto the shards)."""
@@ -119,13 +137,15 @@ def test_fast_trainer_ddp_exports_and_pushes_on_rank_0_only(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_zero3_matches_one_process_and_gathers_for_export(tmp_path):
     """deepspeed.initialize with ZeRO stage 3 (every parameter partitioned, lm_head too) and a torch
-    AdamW client optimizer: the head stays stock until ``register_zero3_lm_head``, then the fused loss
-    gets the whole weight (LoRA patched before partitioning; full fine-tuning, also tied, partitioned
-    before patching as zero.Init leaves it); fused LoRA falls back; loss, gradients and AdamW steps =
-    one process; the export gather gives rank 0 the trained weights and partitions them again after."""
+    AdamW client optimizer: the head and LoRA stay stock until ``setup_sharded_model`` (FastTrainer's
+    train begin) registers lm_head with the causal LM and the projections with their attention / MLP,
+    then the fused loss and fused LoRA run on whole weights (LoRA patched before or after
+    partitioning; full fine-tuning, also tied, partitioned before patching as zero.Init leaves it);
+    loss, gradients and AdamW steps = one process; the export gather gives rank 0 the trained
+    weights and partitions them again after."""
     from helpers.tiny_models import tiny_config
 
-    cases = ("lora", "full_init", "full_tied_init")
+    cases = ("lora", "lora_init", "full_init", "full_tied_init")
     ranks = launch("zero3", tmp_path, *cases)
     whole = [VOCAB, tiny_config("llama").hidden_size]
     for i, name in enumerate(cases):
@@ -133,11 +153,19 @@ def test_zero3_matches_one_process_and_gathers_for_export(tmp_path):
         assert case["case"] == name and case["kind"] == "zero3" and case["patched"]["cross_entropy"] == 1
         assert case["partition_numel"] == 0 and case["after_export_numel"] == 0  # partitioned, also after export
         assert case["external_before"] == 0 and case["registered"] == [True, True] and case["external_after"] == 1
+        assert case["setup"] == "zero3" and case["lora_owners"] == (4 if name.startswith("lora") else 0)
+        # 2 layers x (q, k, v, o: base + A + B = 12; gate, up, down: 9) external parameters, each once
+        assert case["lora_external"] == (42 if name.startswith("lora") else 0), case["lora_external"]
         for step, s in enumerate(case["steps"]):
             where = f"{name} step {step}"
             for rank in ranks:  # before registration the stock head; after it the fused loss on the whole weight
                 assert rank["cases"][i]["steps"][step]["head_calls"] == ([] if step == 0 else [whole]), where
-            assert s["fused_lora_calls"] == 0, where  # DeepSpeed's hooks sit on the projections: PEFT's path
+            # Fused from the first step: inside the engine's forward DeepSpeed already gathers a weight the
+            # fused path reads and registers it with the running attention / MLP (its "external parameter
+            # discovery"); the explicit registration makes that independent of how the model is called.
+            # qkv, o and MLP of 2 layers, forward and checkpoint recompute.
+            fused = 12 if name.startswith("lora") else 0
+            assert s["fused_lora_calls"] == fused, f"{where}: {s['fused_lora_calls']} fused LoRA calls"
             assert s["missing"] == [] and s["loss_err"] <= RTOL, f"{where}: {s}"
             tol = RTOL if step == 0 else ADAM_RTOL
             assert s["max_grad_err"] <= tol and (s["lm_head_err"] or 0.0) <= tol, f"{where}: {s}"

@@ -46,10 +46,10 @@ class FastPatchCallback(TrainerCallback):
         # A model that arrived with HF's checkpointing switched on: take its layers back.
         from ..model_patches.checkpointing import layer_checkpointing
 
-        from .distributed import register_zero3_lm_head, sharding_kind
+        from .distributed import setup_sharded_model
 
-        if model is not None and sharding_kind(model) == "zero3":
-            register_zero3_lm_head(model)  # the fused loss reads lm_head outside its own forward
+        if model is not None:  # ZeRO-3: lm_head registered for the fused loss; FSDP2: adapter layers kept gathered
+            setup_sharded_model(model, self.config)
         ckpt = layer_checkpointing(model) if model is not None else None
         if ckpt is not None:
             ckpt.reclaim()

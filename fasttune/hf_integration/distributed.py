@@ -12,17 +12,23 @@ The patched forwards need no distributed code of their own in two of the three m
   ``param_dtype``). The loss head reads ``lm_head.weight`` outside lm_head's own forward, so the
   patched head unshards lm_head's unit itself (``model_patches/head.py``); the root's post-backward
   reduce-scatters its gradient. accelerate's ``activation_checkpointing`` would wrap the decoder
-  layers a second time: ``release_fsdp_checkpointing`` leaves the layers to fasttune.
+  layers a second time: ``release_fsdp_checkpointing`` leaves the layers to fasttune. LoRA layers
+  (adapters over a frozen base) are all-gathered once per step instead of two or three times when
+  their unsharded weights fit (``keep_adapter_layers_gathered``, at train begin).
 - DeepSpeed ZeRO-3: parameters are gathered only around the forward (and backward) of a module
   that owns them or registered them. ``register_zero3_lm_head`` registers lm_head's parameters as
   external parameters of the causal LM, whose forward computes the fused loss; until then (and if
   it fails) the head takes the stock path, which is exact. (The head does not lean on DeepSpeed
   registering a parameter it sees read during the engine's forward: that gathers it without
   keeping it gathered, and a tied weight is released again after the embedding's forward.)
-  Tested on DeepSpeed's CPU accelerator (tests/test_distributed.py): LoRA and full fine-tuning,
-  tied embeddings, a model partitioned before or after patching, loss, gradients and AdamW steps
-  equal to one process. The fused LoRA path falls back under ZeRO-3 (its hooks sit on every
-  projection), and the patch report says so only when the model was partitioned before patching.
+  Fused LoRA reads the projections' weights inside the attention / MLP forward, skipping the
+  projections' own forwards and DeepSpeed's hooks on them: ``register_zero3_fused_lora`` makes
+  those parameters external parameters of the attention / MLP, gathered around its forward and
+  backward (inside the engine's forward DeepSpeed also discovers and registers them on first
+  read); a call whose weights are not gathered for it takes PEFT's path (``model_patches/zero3.py``).
+  Tested on DeepSpeed's CPU accelerator (tests/test_distributed.py): LoRA (fused) and full
+  fine-tuning, tied embeddings, a model partitioned before or after patching, loss, gradients
+  and AdamW steps equal to one process.
 
 Export and Hub uploads run on the main process, but a sharded model must first be gathered by
 every rank: ``gathered_weights`` (FSDP2, FSDP1, ZeRO-3) is entered by all ranks around the export.
@@ -45,6 +51,7 @@ from ..model_patches import find_causal_lm
 logger = logging.getLogger("fasttune")
 
 NONE, DTENSOR, FSDP1, ZERO3 = "none", "dtensor", "fsdp1", "zero3"
+GIB = 1 << 30
 
 
 def sharding_kind(model: nn.Module) -> str:
@@ -127,6 +134,99 @@ def release_fsdp_checkpointing(accelerator, config: FastConfig) -> bool:
     return True
 
 
+GATHER_FROZEN_FRACTION = 0.9   # a unit is "adapter-only" when at least this share of its elements is frozen
+GATHER_MEMORY_SHARE = 0.5      # "auto": kept-gathered layers may take at most this share of the free GPU memory
+
+
+def keep_adapter_layers_gathered(model: nn.Module, config: FastConfig) -> int:
+    """FSDP2: keep the weights of adapter-only units all-gathered from their forward to their backward.
+
+    A LoRA/QLoRA unit (a decoder layer) is resharded after its forward by default, so one training
+    step all-gathers its frozen base weights two or three times: in forward, again for the
+    checkpoint recompute, and again for backward. With ``reshard_after_forward`` off
+    (``FSDPModule.set_reshard_after_forward(False)``) it is gathered once per step and freed after
+    its backward, at the cost of holding every such layer's unsharded weights at the end of
+    forward (what DDP holds all the time). Gradients and optimizer states stay sharded.
+
+    ``config.fsdp_reshard_after_forward``: True leaves FSDP's setting; False applies it to every
+    unit below the root with adapters (trainable parameters) over at least 90% frozen
+    elements; None ("auto") does so when the
+    units' unsharded size (in the mixed-precision ``param_dtype``) is at most half of the GPU
+    memory free now; never without CUDA. With ``checkpointing="auto"``, the memory the gathered
+    layers will take is reserved from its activation budget. Call after the model was sharded
+    (FastTrainer: at train begin).
+
+    Returns:
+        How many units now keep their weights gathered (0 when none or not FSDP2).
+    """
+    setting = config.fsdp_reshard_after_forward
+    if setting is True or not torch.distributed.is_available():
+        return 0
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model and _adapter_only(m)]
+    units = [m for m in units if _param_groups(m) and all(g.post_forward_mesh_info is not None
+                                                          for g in _param_groups(m))]
+    if not units:
+        return 0
+    gathered = sum(_unsharded_bytes(m) for m in units)
+    local = sum(_local_bytes(m) for m in units)
+    if setting is None:
+        device = next(units[0].parameters()).device
+        if device.type != "cuda":
+            return 0
+        free = torch.cuda.mem_get_info(device)[0]
+        if gathered > GATHER_MEMORY_SHARE * free:
+            logger.info("fasttune: FSDP2 layers reshard after forward (%.1f GiB unsharded > half of %.1f GiB free)",
+                        gathered / GIB, free / GIB)
+            return 0
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    from ..model_patches.checkpointing import layer_checkpointing
+
+    state = layer_checkpointing(model)
+    if state is not None and state.policy is not None:
+        state.policy.reserved_bytes = max(0, gathered - local)
+    logger.info("fasttune: %d FSDP2 units keep their weights gathered from forward to backward (%.1f GiB "
+                "unsharded): one all-gather per step", len(units), gathered / GIB)
+    return len(units)
+
+
+def _param_groups(unit) -> list:
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch releases with one group per unit
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _unit_params(unit) -> list:
+    return [fp.sharded_param for g in _param_groups(unit) for fp in g.fsdp_params]
+
+
+def _adapter_only(unit) -> bool:
+    params = _unit_params(unit)
+    total = sum(p.numel() for p in params)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    # A fully frozen unit (embeddings under LoRA) has no backward to gather for: nothing to save.
+    return frozen < total and frozen >= GATHER_FROZEN_FRACTION * total
+
+
+def _unsharded_bytes(unit) -> int:
+    out = 0
+    for g in _param_groups(unit):
+        dtype = getattr(g.mp_policy, "param_dtype", None)
+        for fp in g.fsdp_params:
+            p = fp.sharded_param
+            out += p.numel() * (torch.empty((), dtype=dtype).element_size() if dtype is not None else p.element_size())
+    return out
+
+
+def _local_bytes(unit) -> int:
+    return sum(p.to_local().numel() * p.element_size() for p in _unit_params(unit))
+
+
 # --- DeepSpeed ZeRO-3 ------------------------------------------------------------------------------
 
 def register_zero3_lm_head(model: nn.Module) -> bool:
@@ -158,19 +258,67 @@ def register_zero3_lm_head(model: nn.Module) -> bool:
     return True
 
 
+def register_zero3_fused_lora(model: nn.Module) -> int:
+    """Let fused LoRA run under ZeRO-3: the projections' parameters become external parameters of
+    the attention / MLP module whose fused forward reads them.
+
+    DeepSpeed then gathers the base weights and the adapters around that module's forward and its
+    backward (where the fused Functions' backward reads them again), and reduce-scatters the
+    adapters' gradients as usual; the projections' own forwards, and their hooks, are skipped.
+    Costs no more memory than PEFT's path at the peak (one attention's or MLP's weights at a time,
+    plus what DeepSpeed prefetches). Call after the parameters were partitioned, like
+    ``register_zero3_lm_head``; ``model`` may be the ``DeepSpeedEngine``.
+
+    Returns:
+        How many attention / MLP modules had parameters registered (0 when not ZeRO-3).
+    """
+    from ..model_patches.lora import fused_lora_projections
+
+    owners = [(owner, [p for proj in projections for p in proj.parameters() if hasattr(p, "ds_id")])
+              for owner, projections in fused_lora_projections(_unwrap_engine(model))]
+    owners = [(owner, params) for owner, params in owners if params]
+    if not owners:
+        return 0
+    import deepspeed
+
+    for owner, params in owners:
+        known = {id(q) for _, q in owner.ds_external_parameters()} if hasattr(owner, "ds_external_parameters") else set()
+        for p in params:
+            if id(p) not in known:
+                deepspeed.zero.register_external_parameter(owner, p)
+    return len(owners)
+
+
 def _unwrap_engine(model: nn.Module) -> nn.Module:
     """The model inside a ``deepspeed.DeepSpeedEngine`` (by name: deepspeed is imported only when present)."""
     return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 class DistributedHeadCallback(TrainerCallback):
-    """At ``on_train_begin`` (after accelerate wrapped the model): ``register_zero3_lm_head``."""
+    """At ``on_train_begin`` (after accelerate wrapped the model): ``register_zero3_lm_head`` and
+    ``register_zero3_fused_lora`` under ZeRO-3, ``keep_adapter_layers_gathered`` under FSDP2."""
+
+    def __init__(self, config: FastConfig | None = None):
+        self.config = config or FastConfig()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and sharding_kind(model) == ZERO3:
-            if register_zero3_lm_head(model):
-                logger.info("fasttune: ZeRO-3 lm_head registered with the causal LM; the fused loss sees it whole")
+        if model is not None:
+            setup_sharded_model(model, self.config)
         return control
+
+
+def setup_sharded_model(model: nn.Module, config: FastConfig) -> str:
+    """What fasttune adjusts once the model is sharded (train begin); returns ``sharding_kind``."""
+    kind = sharding_kind(model)
+    if kind == ZERO3 and register_zero3_lm_head(model):
+        logger.info("fasttune: ZeRO-3 lm_head registered with the causal LM; the fused loss sees it whole")
+    if kind == ZERO3:
+        n = register_zero3_fused_lora(model)
+        if n:
+            logger.info("fasttune: ZeRO-3 LoRA projections registered with %d attention/MLP modules: fused LoRA runs", n)
+    if kind == DTENSOR:
+        keep_adapter_layers_gathered(model, config)
+    return kind
 
 
 # --- export --------------------------------------------------------------------------------------
@@ -238,5 +386,6 @@ def _swap_in_full(model: nn.Module, is_main: bool, to_cpu: bool) -> list[tuple[n
     return swapped
 
 
-__all__ = ["DistributedHeadCallback", "fsdp_checkpointing_requested", "gathered_weights", "register_zero3_lm_head",
-           "release_fsdp_checkpointing", "set_ddp_defaults", "sharding_kind"]
+__all__ = ["DistributedHeadCallback", "fsdp_checkpointing_requested", "gathered_weights", "keep_adapter_layers_gathered",
+           "register_zero3_fused_lora", "register_zero3_lm_head", "release_fsdp_checkpointing", "set_ddp_defaults", "setup_sharded_model",
+           "sharding_kind"]

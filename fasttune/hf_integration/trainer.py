@@ -57,7 +57,7 @@ class FastTrainerMixin:
             head.label_smoothing = float(self.label_smoother.epsilon)
             self.label_smoother = None
         release_fsdp_checkpointing(self.accelerator, self.fast_config)  # before prepare(): layers are ours
-        self.add_callback(DistributedHeadCallback())  # ZeRO-3: lm_head gathered for the fused loss
+        self.add_callback(DistributedHeadCallback(self.fast_config))  # ZeRO-3 head, FSDP2 gathered layers
         self._throughput = ThroughputMeter()
 
     def training_step(self, model, inputs, num_items_in_batch=None):

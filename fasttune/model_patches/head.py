@@ -27,6 +27,7 @@ from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
 from .report import PatchReport
 from .trl_head import FusedLMHeadOutput, TrlHeadSettings, fused_lm_head_fields, provides_fused_head
+from .zero3 import zero3_ready
 
 logger = logging.getLogger("fasttune")
 
@@ -86,7 +87,7 @@ class FusedLossCausalLMForward(PatchedForward):
             # registers it with this module on the fly, without keeping it gathered for this
             # forward (a tied weight is released after the embedding's forward, before the loss).
             weight, bias = own["weight"], own.get("bias")
-            return (weight, bias) if _zero3_ready(self.module, weight, bias) else None
+            return (weight, bias) if zero3_ready(self.module, weight, bias) else None
         weight, bias = head.weight, head.bias
         if _is_local(weight) and _is_local(bias):
             return (weight, bias) if weight.numel() > 0 else None
@@ -210,21 +211,6 @@ def _is_linear(head) -> bool:
 def _is_local(t) -> bool:
     """None, or a tensor whose data is a plain ``torch.Tensor`` (not a DTensor shard)."""
     return t is None or type(t.data) is torch.Tensor
-
-
-def _zero3_ready(module: nn.Module, *params) -> bool:
-    """ZeRO-3 parameters gathered now and kept gathered through backward: persistent ones, or
-    external parameters of ``module`` (DeepSpeed gathers those around its forward and backward)."""
-    external = getattr(module, "ds_external_parameters", None)
-    registered = [p for _, p in external()] if callable(external) else []
-    for p in params:
-        if p is None:
-            continue
-        if getattr(getattr(p, "ds_status", None), "name", None) != "AVAILABLE" or p.numel() == 0:
-            return False
-        if not (getattr(p, "ds_persist", False) or any(p is q for q in registered)):
-            return False
-    return True
 
 
 def _gathered_dtensor_params(head: nn.Module):

@@ -14,9 +14,11 @@ LoRA parameters and frozen dense or bitsandbytes-NF4 base weights:
 Reported per module as "lora_qkv", "lora_o", "lora_mlp". A module whose projections the fused
 path would not compute exactly (``lora_spec`` says why: dropout, DoRA, several active adapters,
 a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no adapter on any of its projections; or
-forward hooks on a projection, which the fused path would skip: accelerate offloading,
-DeepSpeed ZeRO-3, PEFT's mixed-adapter batches) keeps PEFT's path and is listed in
-``report.fallbacks``. A model without any PEFT LoRA layer (full fine-tuning) is left alone and
+forward hooks on a projection, which the fused path would skip: accelerate offloading, PEFT's
+mixed-adapter batches) keeps PEFT's path and is listed in ``report.fallbacks``. DeepSpeed
+ZeRO-3's own hooks are the exception: a call is fused when the projections' partitioned
+parameters are gathered for the attention / MLP module itself (registered as its external
+parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it takes PEFT's path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and
 reports nothing.
 
 Eligibility is decided at patch time for the report and checked again at every call, because
@@ -47,6 +49,7 @@ from .instance import stock_is_faster
 from .lora_specs import lora_spec
 from .mlp import check_mlp, config_activation, mlp_forward
 from .report import PatchReport
+from .zero3 import is_zero3_param, only_zero3_hooks
 
 OP_QKV, OP_O, OP_MLP = "lora_qkv", "lora_o", "lora_mlp"
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -82,21 +85,24 @@ def stock_compute_dtype(proj: nn.Module, spec, x_dtype: torch.dtype) -> torch.dt
     return declared or x_dtype
 
 
-def projection_specs(module: nn.Module, names: tuple[str, ...]):
+def projection_specs(module: nn.Module, names: tuple[str, ...], at_call: bool = False):
     """The ``(base, A, B, scaling)`` spec of each named projection of ``module``, or why not.
 
     Checks what does not depend on the input: ``lora_spec``, forward hooks, CPU-repacked NF4
-    weights, and that at least one projection has an active adapter.
+    weights, and that at least one projection has an active adapter. ``at_call``: inside
+    ``module``'s forward, where DeepSpeed ZeRO-3 parameters must be gathered for ``module``
+    (``zero3.py``); DeepSpeed's own hooks on the projections are then skipped with their forward.
     """
     specs = []
     for name in names:
         proj = getattr(module, name, None)
         if not isinstance(proj, nn.Module):
             return f"no `{name}` submodule"
-        spec = lora_spec(proj)
+        spec = lora_spec(proj, zero3_owner=module if at_call else None)
         if isinstance(spec, str):
             return f"{name}: {spec}"
-        if _hooked(proj) or _hooked(_base_layer(proj)):
+        zero3 = is_zero3_param(getattr(_base_layer(proj), "weight", None))
+        if any(_hooked(m) and not (zero3 and only_zero3_hooks(m)) for m in (proj, _base_layer(proj))):
             return f"{name}: forward hooks on the projection (the fused path would skip them)"
         if spec[0].is_nf4 and getattr(spec[0].quant_state, "packing_format_for_cpu", False):
             return f"{name}: NF4 weight repacked by bitsandbytes' CPU inference path"
@@ -110,7 +116,7 @@ def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
     """``projection_specs`` plus the checks against this call's input x (dtype, device)."""
     if stock_is_faster(x):  # first: a decode step should not pay for the checks below (~90 µs)
         return "a decode step (few rows, no autograd): the stock layers launch fewer kernels"
-    specs = projection_specs(module, names)
+    specs = projection_specs(module, names, at_call=True)
     if isinstance(specs, str):
         return specs
     if x.dtype not in KERNEL_DTYPES:
@@ -270,6 +276,21 @@ def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, 
     _install(fwd, "fused_mlp", hook, report, OP_MLP)
 
 
+def fused_lora_projections(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """(attention or MLP module, the projection modules its fused-LoRA hooks read), per patched module."""
+    out = []
+    for module in model.modules():
+        fwd = attention_forward(module) or mlp_forward(module)
+        if fwd is None:
+            continue
+        hooks = [getattr(fwd, attr, None) for attr in ("project_qkv", "project_o", "fused_mlp")]
+        names = [n for h in hooks if isinstance(h, _Hook) for n in h.names]
+        projections = [getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Module)]
+        if projections:
+            out.append((module, projections))
+    return out
+
+
 def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
     """Set the fused-LoRA hooks of every installed attention and MLP forward of a PEFT LoRA model.
 
@@ -287,5 +308,5 @@ def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCon
             _patch_mlp(name, module, spec, base, report)
 
 
-__all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "is_lora_layer", "patch_lora",
-           "projection_specs", "stock_compute_dtype"]
+__all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "fused_lora_projections", "is_lora_layer",
+           "patch_lora", "projection_specs", "stock_compute_dtype"]

@@ -5,8 +5,9 @@
 targeted on that projection). It returns a reason string instead whenever the fused Functions
 would not compute what the module's own forward computes: dropout, DoRA or another LoRA
 variant, several active adapters, merged or disabled adapters, a LoRA bias, fan-in-fan-out
-weights, a trainable base weight, a base layer other than a linear or an NF4 ``Linear4bit``.
-Call it at each forward: it reads the module's current state (set_adapter, merge, disable).
+weights, a trainable base weight, a base layer other than a linear or an NF4 ``Linear4bit``, a
+DeepSpeed ZeRO-3 weight that is not gathered for the caller. Call it at each forward: it reads
+the module's current state (set_adapter, merge, disable).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 from torch import nn
 
 from ..kernels.lora import BaseWeight
+from .zero3 import is_zero3_param, zero3_ready
 
 __all__ = ["lora_spec"]
 
 
-def _base_weight(layer: nn.Module) -> BaseWeight | str:
+def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight | str:
     """The frozen weight (and bias) of a plain linear or bitsandbytes NF4 layer."""
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor):
@@ -31,8 +33,13 @@ def _base_weight(layer: nn.Module) -> BaseWeight | str:
         return "base layer bias is trainable"
     if weight.requires_grad:
         return "base layer weight is trainable"
-    if hasattr(weight, "ds_id"):
-        return "DeepSpeed ZeRO-3 partitions the base weight (gathered only inside the layer's own forward)"
+    if is_zero3_param(weight):
+        if zero3_owner is not None:  # a call: the weight must be whole now and until backward
+            if not zero3_ready(zero3_owner, weight, bias):
+                return ("DeepSpeed ZeRO-3 base weight not gathered for the fused path (FastTrainer registers it "
+                        "at train begin: register_zero3_fused_lora)")
+        elif type(layer) is nn.Linear:  # patching: judge the layer by DeepSpeed's record of its shape
+            return BaseWeight(torch.empty(tuple(weight.ds_shape), dtype=weight.dtype, device="meta"))
     if type(layer).__name__ == "Linear8bitLt" or hasattr(weight, "SCB"):
         return "8-bit bitsandbytes base layer"
     quant_state = getattr(weight, "quant_state", None)
@@ -59,15 +66,19 @@ def _active_adapter(module: nn.Module) -> str | None:
     return active[0] if len(active) == 1 else (None if not active else "")
 
 
-def lora_spec(module: nn.Module):
+def lora_spec(module: nn.Module, zero3_owner: nn.Module | None = None):
     """``(BaseWeight, lora_a, lora_b, scaling)`` for ``module``, or a string saying why not.
 
     A module with no active adapter here gives ``(BaseWeight, None, None, 0.0)`` (the kernels
     then run the base projection only). ``lora_a``/``lora_b`` are the adapter's parameters
     themselves, so their gradients land where PEFT's would.
+
+    DeepSpeed ZeRO-3 parameters (``zero3.py``): with ``zero3_owner`` (the attention or MLP whose
+    forward is running) they must be gathered and kept gathered by that module, else a reason;
+    without it (at patch time) a partitioned base weight stands in as a meta tensor of its shape.
     """
     if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
-        base = _base_weight(module)
+        base = _base_weight(module, zero3_owner)
         return base if isinstance(base, str) else (base, None, None, 0.0)
     if getattr(module, "merged", False):
         return "LoRA adapter merged into the base weight"
@@ -75,7 +86,8 @@ def lora_spec(module: nn.Module):
         return "LoRA adapters disabled"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out (Conv1D-style) weights"
-    base = _base_weight(module.get_base_layer() if hasattr(module, "get_base_layer") else module.base_layer)
+    base = _base_weight(module.get_base_layer() if hasattr(module, "get_base_layer") else module.base_layer,
+                        zero3_owner)
     if isinstance(base, str):
         return base
     adapter = _active_adapter(module)
@@ -96,4 +108,6 @@ def lora_spec(module: nn.Module):
     scaling = module.scaling[adapter]
     if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
         return f"scaling of type {type(scaling).__name__}"
+    if zero3_owner is not None and not zero3_ready(zero3_owner, lora_a.weight, lora_b.weight):
+        return "DeepSpeed ZeRO-3 adapter weights not gathered for the fused path"
     return base, lora_a.weight, lora_b.weight, float(scaling)

@@ -111,6 +111,17 @@ def test_lora_mlp_partial_adapters(device, missing):
     check_mlp(x, specs, "gelu_tanh", torch.float32)
 
 
+@pytest.mark.parametrize("ranks", [(5, 33), (64, 1), (65, 8)], ids=["5-33", "64-1", "65-8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mlp_gate_up_ranks(device, dtype, ranks):
+    """Odd, unequal and large gate/up ranks (one stacked XA product of r_g + r_u columns)."""
+    torch.manual_seed(5)
+    x = torch.randn(70, 48, device=device, dtype=dtype, requires_grad=True)
+    specs = [proj(130, 48, ranks[0], dtype, device, 24), proj(130, 48, ranks[1], dtype, device, 25),
+             proj(48, 130, 4, dtype, device, 26)]
+    check_mlp(x, specs, "silu", dtype)
+
+
 def test_torch_fallback_matches_triton(device, monkeypatch):
     """The elementwise step's PyTorch fallback (no Triton) gives the same numbers."""
     torch.manual_seed(3)

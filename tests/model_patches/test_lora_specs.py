@@ -142,8 +142,28 @@ def test_ineligible_layers_give_reasons(device):
         assert reason in lora_spec(other.q_proj), kw
 
 
-def test_zero3_partitioned_base_weight_is_named(device):
-    """A base weight DeepSpeed ZeRO-3 partitioned (it carries ``ds_id``) keeps PEFT's path, and says why."""
+def test_zero3_weights_fused_only_when_gathered_for_the_caller(device):
+    """DeepSpeed ZeRO-3 parameters (they carry ``ds_id``; attributes stood in for here): at patch time
+    a partitioned base weight is judged by its recorded shape (a meta stand-in); in a call the base
+    weight and the adapters must be gathered and external parameters of the calling module (kept
+    gathered until its backward), else PEFT's path with the reason."""
+    from types import SimpleNamespace
+
     _, block = peft_block(device, targets=("q_proj",))
-    block.q_proj.base_layer.weight.ds_id = 7
-    assert "ZeRO-3" in lora_spec(block.q_proj)
+    q = block.q_proj
+    params = (q.base_layer.weight, q.lora_A["default"].weight, q.lora_B["default"].weight)
+    for i, p in enumerate(params):
+        p.ds_id, p.ds_shape, p.ds_status = i, tuple(p.shape), SimpleNamespace(name="NOT_AVAILABLE")
+    base, a, b, _ = lora_spec(q)  # patch time
+    assert base.weight.device.type == "meta" and base.shape == tuple(params[0].shape) and a is params[1]
+    registered = []
+    block.ds_external_parameters = lambda: [(str(i), p) for i, p in enumerate(registered)]
+    assert "ZeRO-3 base weight not gathered" in lora_spec(q, zero3_owner=block)
+    for p in params:
+        p.ds_status = SimpleNamespace(name="AVAILABLE")
+    assert "ZeRO-3 base weight not gathered" in lora_spec(q, zero3_owner=block)  # gathered, but not kept for us
+    registered.append(params[0])
+    assert "ZeRO-3 adapter weights not gathered" in lora_spec(q, zero3_owner=block)
+    registered.extend(params[1:])
+    base, a, b, _ = lora_spec(q, zero3_owner=block)
+    assert base.weight is params[0] and (a, b) == params[1:]

@@ -260,6 +260,7 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
         "full_root": (False, False, "root", "no"),
         "dtensor_head": (False, False, "dtensor", "no"),
         "bf16": (False, False, "accelerate", "bf16"),
+        "lora_gathered": (True, False, "accelerate", "no"),
     }[name]
     model, patched = _patched(_model(lora=lora, tied=tied))
     ref, _ = _patched(_model(lora=lora, tied=tied)) if rank == 0 else (None, None)
@@ -270,11 +271,25 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
     else:
         model = _dtensor_lm_head(model)
     out = {"case": name, "patched": patched, "kind": sharding_kind(model), "steps": []}
+    if name == "lora_gathered":  # what FastTrainer does at train begin, with the setting forced (no CUDA here)
+        from fasttune import FastConfig
+        from fasttune.hf_integration.distributed import DistributedHeadCallback, keep_adapter_layers_gathered
+
+        out["kept_gathered_auto"] = keep_adapter_layers_gathered(model, FastConfig())  # None: never without CUDA
+        DistributedHeadCallback(FastConfig(fsdp_reshard_after_forward=False)).on_train_begin(None, None, None,
+                                                                                             model=model)
+        out["kept_gathered"] = sum(  # units whose weights stay gathered after forward
+            all(g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups)
+            for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
     for step, batch in enumerate(batches):
         n = _n_items(batch)
         for s in spies.values():
             s.take()
         loss = model(**_shard(batch, rank, world), num_items_in_batch=n).loss * world
+        # Between forward and backward: decoder-layer weights still gathered (plain tensors) or resharded (DTensor).
+        out.setdefault("layer_param_types_after_forward", sorted({
+            type(p).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")
+            for p in m.parameters(recurse=True) if not p.requires_grad}))
         loss.backward()
         if layout == "dtensor":  # the rest of the model is not distributed there: average its gradients as DDP would
             for p in model.parameters():
@@ -360,16 +375,19 @@ def _adamw(model):
 
 
 def _zero3_case(name: str, rank: int, world: int, batches, spy, lora_calls) -> dict:
-    """"lora": patched, then partitioned by ``deepspeed.initialize``. "full_init" / "full_tied_init":
-    full fine-tuning, partitioned before patching (as transformers' ``zero.Init`` load leaves a
-    model). Two AdamW steps through the engine, the first before ``register_zero3_lm_head``, then
-    the export gather."""
+    """"lora": patched, then partitioned by ``deepspeed.initialize``. "lora_init", "full_init",
+    "full_tied_init": partitioned before patching (as transformers' ``zero.Init`` load leaves a
+    model). Two AdamW steps through the engine, the first before ``setup_sharded_model`` (what
+    FastTrainer runs at train begin: lm_head and the fused LoRA projections registered), then the
+    export gather."""
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_grad
-    from fasttune.hf_integration.distributed import gathered_weights, register_zero3_lm_head, sharding_kind
+    from fasttune import FastConfig
+    from fasttune.hf_integration.distributed import (gathered_weights, register_zero3_fused_lora,
+                                                     register_zero3_lm_head, setup_sharded_model, sharding_kind)
 
-    lora, tied, partition_first = name == "lora", "tied" in name, name.endswith("_init")
+    lora, tied, partition_first = name.startswith("lora"), "tied" in name, name.endswith("_init")
     model = _model(lora=lora, tied=tied)
     if partition_first:
         deepspeed.zero.Init(module=model, config_dict_or_path=ZERO3_CONFIG)
@@ -384,8 +402,12 @@ def _zero3_case(name: str, rank: int, world: int, batches, spy, lora_calls) -> d
     for step, batch in enumerate(batches):
         if step == 1:
             out["external_before"] = sum(p is head.weight for _, p in causal_lm.ds_external_parameters())
+            out["setup"] = setup_sharded_model(engine, FastConfig())
             out["registered"] = [register_zero3_lm_head(engine), register_zero3_lm_head(module)]  # idempotent
             out["external_after"] = sum(p is head.weight for _, p in causal_lm.ds_external_parameters())
+            out["lora_owners"] = register_zero3_fused_lora(engine)  # again: nothing registered twice
+            out["lora_external"] = sum(len(list(m.ds_external_parameters())) for m in module.modules()
+                                       if m is not causal_lm and hasattr(m, "ds_external_parameters"))
         n = _n_items(batch)
         spy.take()
         before = sum(c.calls for c in lora_calls)

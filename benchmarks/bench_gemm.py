@@ -1,0 +1,149 @@
+"""What each matrix product of the 8B LoRA step costs, and what regrouping them would buy (H200).
+
+The no-recompute LoRA step on a Llama-3.1-8B shape (4×2048 = 8,192 rows) is GEMM-bound. This
+times, in isolation, the products one decoder layer runs (M = 8,192 rows, bf16, dense frozen base
+W, LoRA r = 16), each as fasttune runs it today next to an alternative grouping:
+
+- qkv forward: three products X W_pᵀ vs one product with the stacked [W_q; W_k; W_v] (N = 6,144).
+- qkv dX: dY_q W_q, then two accumulating products (cuBLAS epilogue, beta = 1) vs one product
+  [dY_q | dY_k | dY_v] [W_q; W_k; W_v] (K = 6,144).
+- gate/up forward and dX: the same question for the two 14,336-wide projections.
+- the rank-r term in forward: base product then ``addmm_`` of (XA) Bᵀ (an extra pass over Y,
+  fasttune's order: B = 0 is bitwise the base layer) vs (XA) Bᵀ written first and the base product
+  accumulating onto it in the epilogue.
+- LoRA's memory-bound products in backward: dY B, dYᵀ (XA), dYBᵀ X, per width.
+
+Each row: median GPU time over the replays of a CUDA graph holding ``--reps`` calls, TFLOP/s (the
+dense products) or GB/s (bytes the product must read and write, for the rank-16 ones). Prints a
+markdown table; ``--out`` writes JSON.
+
+Usage (H200 machine, repo root):  python3 benchmarks/bench_gemm.py [--rows 8192] [--out gemm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+DT = torch.bfloat16
+D, I, KV, R = 4096, 14336, 1024, 16
+
+
+def graph_ms(fn, reps: int, repeats: int = 7) -> float:
+    """Median ms per call of ``fn`` replayed ``reps`` times inside one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def cases(m: int) -> list[tuple[str, str, object, float, float]]:
+    """(group, variant, fn, flops, bytes) for one decoder layer's products at ``m`` rows."""
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=DT) * 0.02
+
+    x, x_mlp, h = rnd(m, D), rnd(m, D), rnd(m, I)
+    wq, wk, wv, wo = rnd(D, D), rnd(KV, D), rnd(KV, D), rnd(D, D)
+    wqkv = torch.cat([wq, wk, wv])
+    wg, wu, wd = rnd(I, D), rnd(I, D), rnd(D, I)
+    wgu = torch.cat([wg, wu])
+    dq, dk, dv = rnd(m, D), rnd(m, KV), rnd(m, KV)
+    dqkv = torch.cat([dq, dk, dv], dim=1)
+    dg, du = rnd(m, I), rnd(m, I)
+    dgu = torch.cat([dg, du], dim=1)
+    xa, b_i, b_d, a_qkv = rnd(m, R), rnd(I, R), rnd(D, R), rnd(3 * R, D)
+    y_i, y_d = torch.empty(m, I, device="cuda", dtype=DT), torch.empty(m, D, device="cuda", dtype=DT)
+    f = 2.0 * m
+
+    def seq_qkv():
+        for w in (wq, wk, wv):
+            torch.nn.functional.linear(x, w)
+
+    def seq_qkv_dx():
+        dx = torch.mm(dq, wq)
+        dx.addmm_(dk, wk)
+        dx.addmm_(dv, wv)
+
+    def seq_gu():
+        torch.nn.functional.linear(x_mlp, wg)
+        torch.nn.functional.linear(x_mlp, wu)
+
+    def seq_gu_dx():
+        torch.mm(dg, wg).addmm_(du, wu)
+
+    def base_then_rank():
+        torch.nn.functional.linear(x_mlp, wg).addmm_(xa, b_i.t())
+
+    def rank_then_base():
+        torch.mm(xa, b_i.t(), out=y_i).addmm_(x_mlp, wg.t())
+
+    return [
+        ("qkv fwd", "3 products (now)", seq_qkv, f * D * (D + 2 * KV), 0),
+        ("qkv fwd", "1 stacked product", lambda: torch.nn.functional.linear(x, wqkv), f * D * (D + 2 * KV), 0),
+        ("qkv dX", "3 accumulating (now)", seq_qkv_dx, f * D * (D + 2 * KV), 0),
+        ("qkv dX", "1 product, K = 6144", lambda: torch.mm(dqkv, wqkv), f * D * (D + 2 * KV), 0),
+        ("o fwd", "X Wᵀ", lambda: torch.nn.functional.linear(x, wo), f * D * D, 0),
+        ("o dX", "dY W", lambda: torch.mm(dq, wo), f * D * D, 0),
+        ("gate/up fwd", "2 products (now)", seq_gu, f * D * 2 * I, 0),
+        ("gate/up fwd", "1 stacked product", lambda: torch.nn.functional.linear(x_mlp, wgu), f * D * 2 * I, 0),
+        ("gate/up dX", "2 accumulating (now)", seq_gu_dx, f * D * 2 * I, 0),
+        ("gate/up dX", "1 product, K = 28672", lambda: torch.mm(dgu, wgu), f * D * 2 * I, 0),
+        ("down fwd", "H Wᵀ", lambda: torch.nn.functional.linear(h, wd), f * D * I, 0),
+        ("down dX", "dY W", lambda: torch.mm(dq, wd), f * D * I, 0),
+        ("gate + rank-r", "base, then addmm_ (now)", base_then_rank, f * D * I, 0),
+        ("gate + rank-r", "rank first, base in epilogue", rank_then_base, f * D * I, 0),
+        ("rank-r pass", "Y += XA Bᵀ, N = 14336", lambda: y_i.addmm_(xa, b_i.t()), 0, 2 * 2 * m * I),
+        ("rank-r pass", "Y += XA Bᵀ, N = 4096", lambda: y_d.addmm_(xa, b_d.t()), 0, 2 * 2 * m * D),
+        ("LoRA bwd", "dY B, N = 14336", lambda: torch.mm(dg, b_i), 0, 2 * m * I),
+        ("LoRA bwd", "dYᵀ XA, N = 14336", lambda: torch.mm(dg.t(), xa), 0, 2 * m * I),
+        ("LoRA bwd", "dY B, N = 4096", lambda: torch.mm(dq, b_d), 0, 2 * m * D),
+        ("LoRA bwd", "dYᵀ XA, N = 4096", lambda: torch.mm(dq.t(), xa), 0, 2 * m * D),
+        ("LoRA bwd", "dYBᵀ X, K = 4096", lambda: torch.mm(xa.t(), x), 0, 2 * m * D),
+        ("LoRA bwd", "dYBᵀ H, K = 14336", lambda: torch.mm(xa.t(), h), 0, 2 * m * I),
+        ("LoRA fwd", "X A_qkvᵀ (r = 48)", lambda: torch.mm(x, a_qkv.t()), 0, 2 * m * D),
+    ]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm.py needs a CUDA GPU")
+    rows = []
+    print("| product | variant | ms | TFLOP/s | GB/s |\n|---|---|---|---|---|")
+    for group, variant, fn, flops, nbytes in cases(args.rows):
+        ms = graph_ms(fn, args.reps)
+        row = dict(group=group, variant=variant, ms=round(ms, 4),
+                   tflops=round(flops / ms / 1e9, 1) if flops else None,
+                   gbps=round(nbytes / ms / 1e6, 1) if nbytes else None)
+        rows.append(row)
+        print(f"| {group} | {variant} | {ms:.4f} | {row['tflops'] or ''} | {row['gbps'] or ''} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(rows=rows, m=args.rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__), fh,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

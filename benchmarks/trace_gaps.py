@@ -1,0 +1,88 @@
+"""Where a profiled step leaves the GPU idle: gaps between kernels in a torch.profiler Chrome trace.
+
+A gap before kernel K is CPU-bound when K's launch (the ``cuda_runtime`` or ``cuda_driver``
+event with K's correlation id) started after the previous kernel had ended: the GPU waited for the host. Each gap
+is attributed to the outermost ``user_annotation`` range around the launch (``bench_step.py`` marks
+forward / backward / optimizer) and to the innermost CPU op that launched K.
+
+Usage:  python3 benchmarks/trace_gaps.py TRACE.json [--top 15] [--min-us 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+from collections import defaultdict
+
+
+def _load(trace) -> list[dict]:
+    if isinstance(trace, str):
+        with open(trace) as fh:
+            trace = json.load(fh)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def gap_report(trace, top: int = 15, min_us: float = 20.0) -> str:
+    """A text summary: idle time in total, by annotated phase, and the ``top`` longest gaps."""
+    events = [e for e in _load(trace) if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        return "no GPU kernels in the trace"
+    # Triton launches through the driver API (cuLaunchKernelEx), cuBLAS and torch through the runtime.
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    phases = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    op_starts = [e["ts"] for e in ops]
+
+    def enclosing(items, starts, ts, innermost: bool):
+        best = None
+        for e in items[max(0, bisect.bisect_right(starts, ts) - 2000):bisect.bisect_right(starts, ts)]:
+            if e["ts"] <= ts <= e["ts"] + e["dur"]:
+                if best is None or (e["dur"] < best["dur"]) == innermost:
+                    best = e
+        return best["name"] if best else "-"
+
+    phase_starts = [e["ts"] for e in phases]
+    gaps, by_phase = [], defaultdict(float)
+    busy_end = kernels[0]["ts"] + kernels[0]["dur"]
+    prev_name = kernels[0]["name"]
+    for k in kernels[1:]:
+        gap = k["ts"] - busy_end
+        if gap >= min_us:
+            launch = launches.get(k["args"].get("correlation"))
+            ts = launch["ts"] if launch else k["ts"]
+            cpu_bound = launch is not None and launch["ts"] >= busy_end
+            phase = enclosing(phases, phase_starts, ts, innermost=False)
+            by_phase[phase] += gap
+            gaps.append((gap, phase, cpu_bound, enclosing(ops, op_starts, ts, innermost=True), prev_name, k["name"]))
+        if k["ts"] + k["dur"] > busy_end:
+            busy_end, prev_name = k["ts"] + k["dur"], k["name"]
+    span = busy_end - kernels[0]["ts"]
+    idle = sum(g[0] for g in gaps)
+    lines = [f"GPU span {span / 1e3:.1f} ms, idle in gaps >= {min_us:.0f} us: {idle / 1e3:.1f} ms "
+             f"({len(gaps)} gaps; CPU-bound {sum(g[0] for g in gaps if g[2]) / 1e3:.1f} ms)",
+             "by phase: " + ", ".join(f"{p} {t / 1e3:.1f} ms" for p, t in sorted(by_phase.items(), key=lambda kv: -kv[1])),
+             "| gap us | phase | host-bound | launched by | after kernel | next kernel |", "|---|---|---|---|---|---|"]
+    by_op = defaultdict(float)
+    for g in gaps:
+        by_op[g[3]] += g[0]
+    lines.insert(2, "by launching op: " + ", ".join(
+        f"{o} {t / 1e3:.1f} ms" for o, t in sorted(by_op.items(), key=lambda kv: -kv[1])[:8]))
+    for gap, phase, cpu_bound, op, prev, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"| {gap:.0f} | {phase} | {'yes' if cpu_bound else 'no'} | {op[:50]} | {prev[:50]} | {nxt[:50]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--min-us", type=float, default=20.0)
+    args = p.parse_args(argv)
+    print(gap_report(args.trace, args.top, args.min_us))
+
+
+if __name__ == "__main__":
+    main()
