@@ -13,7 +13,7 @@ W, LoRA r = 16), each as fasttune runs it today next to an alternative grouping:
   accumulating onto it in the epilogue.
 - LoRA's memory-bound products in backward: dY B, dYᵀ (XA), dYBᵀ X, per width.
 
-Each row: median GPU time over the replays of a CUDA graph holding ``--reps`` calls, TFLOP/s (the
+Each row: median GPU time over ``--reps`` replays of a CUDA graph holding one call, TFLOP/s (the
 dense products) or GB/s (bytes the product must read and write, for the rank-16 ones). Prints a
 markdown table; ``--out`` writes JSON.
 
@@ -24,35 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_kernels import graph_time_ms  # noqa: E402
+
 DT = torch.bfloat16
 D, I, KV, R = 4096, 14336, 1024, 16
-
-
-def graph_ms(fn, reps: int, repeats: int = 7) -> float:
-    """Median ms per call of ``fn`` replayed ``reps`` times inside one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
 
 
 def cases(m: int) -> list[tuple[str, str, object, float, float]]:
@@ -133,7 +116,7 @@ def main(argv=None) -> None:
     rows = []
     print("| product | variant | ms | TFLOP/s | GB/s |\n|---|---|---|---|---|")
     for group, variant, fn, flops, nbytes in cases(args.rows):
-        ms = graph_ms(fn, args.reps)
+        ms = graph_time_ms(fn, args.reps)
         row = dict(group=group, variant=variant, ms=round(ms, 4),
                    tflops=round(flops / ms / 1e9, 1) if flops else None,
                    gbps=round(nbytes / ms / 1e6, 1) if nbytes else None)

@@ -158,7 +158,8 @@ CASES = {
 # --- timing ---------------------------------------------------------------------------------
 
 
-def _graph_time_ms(fn, reps):
+def graph_time_ms(fn, reps):
+    """Median ms of ``fn`` over ``reps`` replays of a CUDA graph holding one call (after a warm-up)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -204,7 +205,7 @@ def gpu_time_ms(fn, reps=20):
     global _CAPTURE_BROKEN
     if not _CAPTURE_BROKEN:
         try:
-            return _graph_time_ms(fn, reps), "graph"
+            return graph_time_ms(fn, reps), "graph"
         except Exception as e:  # e.g. a capture-unsafe step
             _CAPTURE_BROKEN = True
             print(f"  CUDA graph capture failed ({type(e).__name__}: {str(e)[:120]}); profiler from here on",
