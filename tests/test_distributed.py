@@ -87,13 +87,16 @@ def test_fsdp2_accelerate_layout_matches_one_process(tmp_path):
 def test_fsdp2_adapter_layers_kept_gathered_match_one_process(tmp_path):
     """LoRA decoder-layer units kept all-gathered from forward to backward (fsdp_reshard_after_forward
     = False): their frozen weights are still whole between forward and backward (resharded DTensors
-    by default), "auto" changes nothing without CUDA, and loss and gradients equal one process."""
+    by default), "auto" changes nothing without CUDA, the memory they take is reserved from "auto"
+    checkpointing's budget, and loss and gradients equal one process."""
     ranks = launch("fsdp2", tmp_path, "lora", "lora_gathered")
     for rank in ranks:
         default, gathered = rank["cases"]
         assert default["layer_param_types_after_forward"] == ["DTensor"]
         assert gathered["kept_gathered_auto"] == 0 and gathered["kept_gathered"] == 2  # both decoder layers
         assert gathered["layer_param_types_after_forward"] == ["Parameter"]
+        reserved, expected = gathered["reserved_bytes"]  # "auto" checkpointing budgets for the gathered layers
+        assert reserved == expected > 0
     gathered = ranks[0]["cases"][1]
     _check_kernel_inputs(ranks, 1, "torch.float32")
     _check_fp32_steps(gathered)

@@ -262,7 +262,8 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
         "bf16": (False, False, "accelerate", "bf16"),
         "lora_gathered": (True, False, "accelerate", "no"),
     }[name]
-    model, patched = _patched(_model(lora=lora, tied=tied))
+    # "lora_gathered" checkpoints with "auto": the gathered layers' memory is reserved from its budget.
+    model, patched = _patched(_model(lora=lora, tied=tied), "auto" if name == "lora_gathered" else "offload")
     ref, _ = _patched(_model(lora=lora, tied=tied)) if rank == 0 else (None, None)
     if layout == "accelerate":
         model = _accelerate_fsdp2(model, rank, mp)
@@ -281,6 +282,12 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
         out["kept_gathered"] = sum(  # units whose weights stay gathered after forward
             all(g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups)
             for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+        from fasttune.model_patches.checkpointing import layer_checkpointing
+
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        whole = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())  # DTensor: global size
+        local = sum(p.to_local().numel() * p.element_size() for m in layers for p in m.parameters())
+        out["reserved_bytes"] = [layer_checkpointing(model).policy.reserved_bytes, whole - local]
     for step, batch in enumerate(batches):
         n = _n_items(batch)
         for s in spies.values():
