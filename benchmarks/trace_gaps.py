@@ -63,7 +63,8 @@ def gap_report(trace, top: int = 15, min_us: float = 20.0) -> str:
     idle = sum(g[0] for g in gaps)
     lines = [f"GPU span {span / 1e3:.1f} ms, idle in gaps >= {min_us:.0f} us: {idle / 1e3:.1f} ms "
              f"({len(gaps)} gaps; CPU-bound {sum(g[0] for g in gaps if g[2]) / 1e3:.1f} ms)",
-             "by phase: " + ", ".join(f"{p} {t / 1e3:.1f} ms" for p, t in sorted(by_phase.items(), key=lambda kv: -kv[1])),
+             "by phase: " + ", ".join(f"{p} {t / 1e3:.1f} ms"
+                                      for p, t in sorted(by_phase.items(), key=lambda kv: -kv[1])),
              "| gap us | phase | host-bound | launched by | after kernel | next kernel |", "|---|---|---|---|---|---|"]
     by_op = defaultdict(float)
     for g in gaps:

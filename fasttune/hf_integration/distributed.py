@@ -47,6 +47,7 @@ from transformers import TrainerCallback
 
 from ..config import FastConfig
 from ..model_patches import find_causal_lm
+from ..model_patches.zero3 import is_zero3_param
 
 logger = logging.getLogger("fasttune")
 
@@ -63,7 +64,7 @@ def sharding_kind(model: nn.Module) -> str:
     """
     dtensor = _dtensor_class()
     for p in model.parameters():
-        if hasattr(p, "ds_id"):
+        if is_zero3_param(p):
             return ZERO3
         if dtensor is not None and isinstance(p, dtensor):
             return DTENSOR
@@ -149,10 +150,9 @@ def keep_adapter_layers_gathered(model: nn.Module, config: FastConfig) -> int:
     forward (what DDP holds all the time). Gradients and optimizer states stay sharded.
 
     ``config.fsdp_reshard_after_forward``: True leaves FSDP's setting; False applies it to every
-    unit below the root with adapters (trainable parameters) over at least 90% frozen
-    elements; None ("auto") does so when the
-    units' unsharded size (in the mixed-precision ``param_dtype``) is at most half of the GPU
-    memory free now; never without CUDA. With ``checkpointing="auto"``, the memory the gathered
+    unit below the root with adapters (trainable parameters) over at least 90% frozen elements;
+    None ("auto") does so when the units' unsharded size (in the mixed-precision ``param_dtype``)
+    is at most half of the GPU memory free now; never without CUDA. With ``checkpointing="auto"``, the memory the gathered
     layers will take is reserved from its activation budget. Call after the model was sharded
     (FastTrainer: at train begin).
 
@@ -164,9 +164,8 @@ def keep_adapter_layers_gathered(model: nn.Module, config: FastConfig) -> int:
         return 0
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model and _adapter_only(m)]
-    units = [m for m in units if _param_groups(m) and all(g.post_forward_mesh_info is not None
-                                                          for g in _param_groups(m))]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model and _adapter_only(m)
+             and _resharding_after_forward(m)]
     if not units:
         return 0
     gathered = sum(_unsharded_bytes(m) for m in units)
@@ -201,6 +200,11 @@ def _param_groups(unit) -> list:
     return list(groups)
 
 
+def _resharding_after_forward(unit) -> bool:
+    groups = _param_groups(unit)
+    return bool(groups) and all(g.post_forward_mesh_info is not None for g in groups)
+
+
 def _unit_params(unit) -> list:
     return [fp.sharded_param for g in _param_groups(unit) for fp in g.fsdp_params]
 
@@ -214,12 +218,13 @@ def _adapter_only(unit) -> bool:
 
 
 def _unsharded_bytes(unit) -> int:
+    """Bytes of the unit's gathered parameters: global sizes, in the mixed-precision ``param_dtype``."""
     out = 0
     for g in _param_groups(unit):
         dtype = getattr(g.mp_policy, "param_dtype", None)
         for fp in g.fsdp_params:
             p = fp.sharded_param
-            out += p.numel() * (torch.empty((), dtype=dtype).element_size() if dtype is not None else p.element_size())
+            out += p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
     return out
 
 
@@ -246,16 +251,21 @@ def register_zero3_lm_head(model: nn.Module) -> bool:
     base = find_causal_lm(_unwrap_engine(model))
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     params = [p for p in (getattr(head, "weight", None), getattr(head, "bias", None)) if p is not None]
-    if not params or not all(hasattr(p, "ds_id") for p in params):
+    if not params or not all(is_zero3_param(p) for p in params):
         return False
+    _register_external(base, params)
+    return True
+
+
+def _register_external(owner: nn.Module, params) -> None:
+    """``deepspeed.zero.register_external_parameter(owner, p)`` for each of ``params`` not registered yet."""
     import deepspeed
 
-    external = getattr(base, "ds_external_parameters", None)
-    known = [q for _, q in external()] if callable(external) else []
+    external = getattr(owner, "ds_external_parameters", None)
+    known = {id(q) for _, q in external()} if callable(external) else set()
     for p in params:
-        if not any(p is q for q in known):
-            deepspeed.zero.register_external_parameter(base, p)
-    return True
+        if id(p) not in known:
+            deepspeed.zero.register_external_parameter(owner, p)
 
 
 def register_zero3_fused_lora(model: nn.Module) -> int:
@@ -274,18 +284,11 @@ def register_zero3_fused_lora(model: nn.Module) -> int:
     """
     from ..model_patches.lora import fused_lora_projections
 
-    owners = [(owner, [p for proj in projections for p in proj.parameters() if hasattr(p, "ds_id")])
+    owners = [(owner, [p for proj in projections for p in proj.parameters() if is_zero3_param(p)])
               for owner, projections in fused_lora_projections(_unwrap_engine(model))]
     owners = [(owner, params) for owner, params in owners if params]
-    if not owners:
-        return 0
-    import deepspeed
-
     for owner, params in owners:
-        known = {id(q) for _, q in owner.ds_external_parameters()} if hasattr(owner, "ds_external_parameters") else set()
-        for p in params:
-            if id(p) not in known:
-                deepspeed.zero.register_external_parameter(owner, p)
+        _register_external(owner, params)
     return len(owners)
 
 
@@ -310,13 +313,14 @@ class DistributedHeadCallback(TrainerCallback):
 def setup_sharded_model(model: nn.Module, config: FastConfig) -> str:
     """What fasttune adjusts once the model is sharded (train begin); returns ``sharding_kind``."""
     kind = sharding_kind(model)
-    if kind == ZERO3 and register_zero3_lm_head(model):
-        logger.info("fasttune: ZeRO-3 lm_head registered with the causal LM; the fused loss sees it whole")
     if kind == ZERO3:
+        if register_zero3_lm_head(model):
+            logger.info("fasttune: ZeRO-3 lm_head registered with the causal LM; the fused loss sees it whole")
         n = register_zero3_fused_lora(model)
         if n:
-            logger.info("fasttune: ZeRO-3 LoRA projections registered with %d attention/MLP modules: fused LoRA runs", n)
-    if kind == DTENSOR:
+            logger.info("fasttune: ZeRO-3 LoRA projections registered with %d attention/MLP modules: "
+                        "fused LoRA runs", n)
+    elif kind == DTENSOR:
         keep_adapter_layers_gathered(model, config)
     return kind
 
@@ -386,6 +390,6 @@ def _swap_in_full(model: nn.Module, is_main: bool, to_cpu: bool) -> list[tuple[n
     return swapped
 
 
-__all__ = ["DistributedHeadCallback", "fsdp_checkpointing_requested", "gathered_weights", "keep_adapter_layers_gathered",
-           "register_zero3_fused_lora", "register_zero3_lm_head", "release_fsdp_checkpointing", "set_ddp_defaults", "setup_sharded_model",
-           "sharding_kind"]
+__all__ = ["DistributedHeadCallback", "fsdp_checkpointing_requested", "gathered_weights",
+           "keep_adapter_layers_gathered", "register_zero3_fused_lora", "register_zero3_lm_head",
+           "release_fsdp_checkpointing", "set_ddp_defaults", "setup_sharded_model", "sharding_kind"]

@@ -27,7 +27,7 @@ from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
 from .report import PatchReport
 from .trl_head import FusedLMHeadOutput, TrlHeadSettings, fused_lm_head_fields, provides_fused_head
-from .zero3 import zero3_ready
+from .zero3 import is_zero3_param, zero3_ready
 
 logger = logging.getLogger("fasttune")
 
@@ -82,7 +82,7 @@ class FusedLossCausalLMForward(PatchedForward):
         if not _is_linear(head):
             return None  # a LoRA-wrapped or quantised lm_head: stock path
         own = dict(head.named_parameters(recurse=False))
-        if hasattr(own.get("weight"), "ds_id"):
+        if is_zero3_param(own.get("weight")):
             # Not ``head.weight``: inside DeepSpeed's forward that getter gathers the weight and
             # registers it with this module on the fly, without keeping it gathered for this
             # forward (a tied weight is released after the embedding's forward, before the loss).

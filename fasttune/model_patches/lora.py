@@ -18,8 +18,8 @@ forward hooks on a projection, which the fused path would skip: accelerate offlo
 mixed-adapter batches) keeps PEFT's path and is listed in ``report.fallbacks``. DeepSpeed
 ZeRO-3's own hooks are the exception: a call is fused when the projections' partitioned
 parameters are gathered for the attention / MLP module itself (registered as its external
-parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it takes PEFT's path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and
-reports nothing.
+parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it takes PEFT's
+path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and reports nothing.
 
 Eligibility is decided at patch time for the report and checked again at every call, because
 the adapter state changes under a patched model (``set_adapter``, ``merge_adapter``,
