@@ -176,7 +176,7 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         from fasttune import FastConfig, patch_model
 
         mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto"}.get(stack, args.checkpointing)
-        report = patch_model(model, FastConfig(checkpointing=mode))
+        report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen))
         log("    " + str(report).replace("\n", "\n    "))
         n = shape["num_hidden_layers"]
         missing = [op for op in ("lora_qkv", "lora_o", "lora_mlp") if report.patched[op] != n]
@@ -215,17 +215,47 @@ class Step:
         fused = device() == "cuda" and all(p.is_cuda for p in params)
         self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused or None)
 
+        self.phases: list[list] | None = None  # per step: CUDA events and host times at the phase starts
+
     def __call__(self) -> torch.Tensor:
         from torch.profiler import record_function  # phase names in profiles (no cost otherwise)
 
+        marks = [] if self.phases is not None else None
+        self._mark(marks)
         with record_function("forward"), torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda"):
             loss = self.model(**self.batch).loss
+        self._mark(marks)
         with record_function("backward"):
             loss.backward()
+        self._mark(marks)
         with record_function("optimizer"):
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        self._mark(marks)
+        if marks is not None:
+            self.phases.append(marks)
         return loss.detach()
+
+    @staticmethod
+    def _mark(marks) -> None:
+        if marks is None or not torch.cuda.is_available():
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((ev, time.perf_counter()))
+
+    def phase_ms(self) -> list[dict]:
+        """Per timed step: GPU ms of forward / backward / optimizer (CUDA events) and the host ms
+        from the step's start to each phase's launch being done (how far the host ran ahead)."""
+        out = []
+        for marks in self.phases or []:
+            if len(marks) != 4:  # no CUDA: no events
+                continue
+            (e0, h0), (e1, h1), (e2, h2), (e3, h3) = marks
+            out.append(dict(gpu=[round(e0.elapsed_time(e1), 1), round(e1.elapsed_time(e2), 1),
+                                 round(e2.elapsed_time(e3), 1)],
+                            host=[round((h1 - h0) * 1e3, 1), round((h2 - h0) * 1e3, 1), round((h3 - h0) * 1e3, 1)]))
+        return out
 
 
 def sync() -> None:
@@ -233,7 +263,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(step: Step, tokens: int, warmup: int, steps: int) -> dict:
+def measure(step: Step, tokens: int, warmup: int, steps: int, gc_mode: str = "on") -> dict:
     loss0 = None
     for _ in range(warmup):  # Triton compiles and autotunes, AdamW allocates its states
         loss = step()
@@ -241,16 +271,29 @@ def measure(step: Step, tokens: int, warmup: int, steps: int) -> dict:
     sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    if gc_mode == "freeze":  # what is alive now (the model) leaves the collector's generations
+        gc.collect()
+        gc.freeze()
+    elif gc_mode == "off":
+        gc.disable()
+    collections0 = [g["collections"] for g in gc.get_stats()]
     times = []
+    step.phases = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+    collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections0)]
+    gc.enable()
+    gc.unfreeze()
+    phases = step.phase_ms()
+    step.phases = None
     ms = statistics.median(times) * 1e3
     peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
     return dict(ms=round(ms, 1), tokens_per_s=round(tokens / (ms / 1e3)), peak_gib=round(peak, 2),
-                loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times])
+                loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times],
+                gc=gc_mode, gc_collections=collections, phases=phases)
 
 
 def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> str:
@@ -358,7 +401,7 @@ def worker(stack: str, args) -> None:
             ids = torch.randint(4, shape["vocab_size"], (b, s), generator=g).to(device())
             step = Step(model, dict(input_ids=ids, labels=ids))
             try:
-                row.update(measure(step, b * s, args.warmup, args.steps))
+                row.update(measure(step, b * s, args.warmup, args.steps, args.gc))
                 if stack.startswith("fasttune"):
                     from fasttune.model_patches.checkpointing import layer_checkpointing
 
@@ -397,7 +440,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing, "--ckpt-dir", args.ckpt_dir or "",
            "--auto-budget-gib", str(args.auto_budget_gib),
            "--profile", ",".join(args.profile)] + (["--trace", args.trace] if args.trace else []) \
-        + (["--smoke"] if args.smoke else [])
+        + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
+        + ["--gc", args.gc]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -477,6 +521,11 @@ def parse_args(argv=None):
                    help="fasttune's checkpointing mode")
     p.add_argument("--auto-budget-gib", type=float, default=80.0,
                    help="GPU memory the fasttune-auto process may use (weights included)")
+    p.add_argument("--no-lora-widen", action="store_true",
+                   help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
+    p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
+                   help="Python's garbage collector during the timed steps: on; freeze (gc.freeze() after the "
+                        "warm-up: the model's objects leave the generations it scans); off")
     p.add_argument("--ckpt-dir", default=None,
                    help="where a worker saves the random model for unsloth ('' to skip; default "
                         "/tmp/fasttune_bench_step_llama8b, or _smoke)")

@@ -36,6 +36,11 @@ class FastConfig:
     lora: bool = field(default=True, metadata={
         "help": "Fused LoRA paths (gated MLP, QKV, O; NF4 dequantised on the fly) for PEFT LoRA "
                 "modules with dropout 0, no bias and no DoRA; other LoRA modules keep PEFT's path."})
+    lora_widen: bool = field(default=True, metadata={
+        "help": "With fused LoRA: at its first fused call, store each frozen dense q/k/v, gate/up and down weight "
+                "with room for its group's LoRA B columns (the ranks padded to 64 columns: +1.6% of a 4096-wide "
+                "weight) so the rank-r term rides in the base product instead of an extra pass over the output; "
+                "base and rank-r terms are then rounded once. Never for FSDP shards, ZeRO-3 partitions or NF4."})
     fused_logprobs: bool = field(default=True, metadata={
         "help": "Serve TRL's fused LM head (fused_lm_head=True: SFT metrics, DPO, GRPO, KTO, RLOO "
                 "log-probabilities) with fasttune's kernel."})

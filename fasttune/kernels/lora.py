@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import check_float, check_same_device
+from .lora_wide import project_wide, wide_columns
 from .nf4 import dequantize_nf4
 
 __all__ = ["BaseWeight", "lora_linear", "lora_o", "lora_qkv"]
@@ -63,14 +64,16 @@ class BaseWeight:
             ``quant_state`` is given.
         quant_state: the bitsandbytes ``QuantState`` of an NF4 weight (duck-typed), else None.
         bias: optional frozen bias [out].
+        wide: a ``lora_wide.WideWeight`` whose buffer holds this dense weight (then the rank-r
+            term rides in the base product, ``lora_wide.py``), else None.
 
     Raises ValueError when the weight or bias requires grad: the fused LoRA Functions give the
     base layer no gradient, so a trainable base weight would silently stop training.
     """
 
-    __slots__ = ("weight", "quant_state", "bias")
+    __slots__ = ("weight", "quant_state", "bias", "wide")
 
-    def __init__(self, weight: torch.Tensor, quant_state=None, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, quant_state=None, bias: torch.Tensor | None = None, wide=None):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
         if quant_state is None:
@@ -86,7 +89,9 @@ class BaseWeight:
                 raise ValueError(f"bias must be a tensor of shape [{self._shape(weight, quant_state)[0]}]")
             if bias.requires_grad:
                 raise ValueError("the base bias requires grad, but fused LoRA gives it no gradient: freeze it")
-        self.weight, self.quant_state, self.bias = weight, quant_state, bias
+        if wide is not None and (quant_state is not None or not wide.holds(weight)):
+            raise ValueError("wide must be the WideWeight whose buffer holds this dense weight")
+        self.weight, self.quant_state, self.bias, self.wide = weight, quant_state, bias, wide
 
     @staticmethod
     def _shape(weight, quant_state) -> tuple[int, int]:
@@ -205,11 +210,19 @@ def stacked_xa(x2: torch.Tensor, adapters) -> torch.Tensor | None:
     return None if a is None else x2 @ a.t()
 
 
-def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch) -> list[torch.Tensor]:
-    """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p of one input: the base product
-    first, exactly as the stock layer computes it, then the rank-r term added in one pass
-    (module docstring: with B = 0 the output is bitwise the base layer's)."""
+def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
+            xcat: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p of one input.
+
+    Widened bases (``lora_wide.py``): one product per projection over [X | s·XA]. Otherwise the
+    base product first, exactly as the stock layer computes it, then the rank-r term added in
+    one pass (module docstring: with B = 0 the output is bitwise the base layer's). ``xcat``: a
+    widened input already holding X (the GLU kernel writes H there), used when the bases are widened.
+    """
     dt = x2.dtype
+    cols = wide_columns(bases, adapters, dt)
+    if cols is not None:
+        return project_wide(x2, bases, adapters, xa, cols, xcat)
     ys, col = [], 0
     for base, ad in zip(bases, adapters):
         w = base.materialize(out=scratch, dtype=dt)

@@ -39,6 +39,7 @@ import triton.language as tl
 from ._backend import check_float, use_triton
 from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, check_projection,
                    grad_input, group_backward, project, scratch_for, stacked_xa)
+from .lora_wide import wide_columns
 from .nf4 import cast_rne
 from .swiglu import _act_and_grad  # shared activation and derivative (one definition)
 
@@ -50,13 +51,17 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n_rows, n_cols, stride_h, ACT: tl.constexpr, DTYPE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # A [BLOCK_M, BLOCK_N] tile per program: G, U rows contiguous ([N, I]); H rows ``stride_h``
+    # apart (the widened input of a widened down projection, lora_wide.py).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    g = tl.load(g_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
-    tl.store(h_ptr + offs, cast_rne(a * u, DTYPE), mask=mask)
+    tl.store(h_ptr + rows * stride_h + cols, cast_rne(a * u, DTYPE), mask=mask)
 
 
 @triton.jit
@@ -94,17 +99,27 @@ def _check_flat(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
-def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
-    """H = act(G)·U, fp32 math, rounded to G's dtype (G, U contiguous, same shape)."""
+def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(G)·U, fp32 math, rounded to G's dtype (G, U contiguous [N, I]).
+
+    ``out``: where to write H, an [N, I] tensor of G's dtype with unit column stride (rows may be
+    further apart: the first columns of a widened input); default a new tensor."""
     _check_flat(gate=g, up=u)
+    if out is None:
+        out = torch.empty_like(g)
+    elif out.shape != g.shape or out.dtype != g.dtype or out.stride(1) != 1 or out.device != g.device:
+        raise ValueError(f"out must be a {tuple(g.shape)} {g.dtype} tensor on {g.device} with unit column stride")
     if use_triton(g, u):
-        h = torch.empty_like(g)
-        n = g.numel()
-        _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, h, n, ACT=_ACTIVATIONS[act], DTYPE=_TL_DTYPE[g.dtype],
-                                                   BLOCK=_BLOCK, num_warps=8)
-        return h
+        rows, cols = g.shape
+        block_n = min(_BLOCK, triton.next_power_of_2(cols))
+        block_m = _BLOCK // block_n  # _BLOCK elements per program, as many rows as fit
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+        _glu_fwd_kernel[grid](g, u, out, rows, cols, out.stride(0), ACT=_ACTIVATIONS[act], DTYPE=_TL_DTYPE[g.dtype],
+                              BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+        return out
     a, _ = _act_torch(g.float(), act)
-    return (a * u.float()).to(g.dtype)
+    out.copy_(a * u.float())
+    return out
 
 
 def glu_backward_(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: str, store_h: bool) -> None:
@@ -136,13 +151,18 @@ class LoRAMLPFunction(torch.autograd.Function):
         gu_adapters = adapters_of((ag, bg, au, bu), scalings[:2])
         xa = stacked_xa(x2, gu_adapters)
         g, u = project(x2, (gate, up), gu_adapters, xa, scratch)
-        h = glu_forward(g, u, act)
         d_adapters = adapters_of((ad, bd), scalings[2:])
+        # A widened down projection (lora_wide.py) reads H from the first columns of its widened
+        # input: the GLU kernel writes it there, no copy.
+        hcat = None
+        if not output_unused and wide_columns((down,), d_adapters, x.dtype) is not None:
+            hcat = x2.new_empty((x2.shape[0], g.shape[1] + down.wide.extra))
+        h = glu_forward(g, u, act, out=None if hcat is None else hcat[:, : g.shape[1]])
         ha = stacked_xa(h, d_adapters)
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
             y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
         else:
-            (y,) = project(h, (down,), d_adapters, ha, scratch)
+            (y,) = project(h, (down,), d_adapters, ha, scratch, xcat=hcat)
         ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd)
         ctx.bases, ctx.scalings, ctx.act, ctx.consumed = bases, scalings, act, False
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], down.shape[0]))  # not a view: safe to modify in place

@@ -47,6 +47,7 @@ from .checkpointing import recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .instance import stock_is_faster
 from .lora_specs import lora_spec
+from .lora_widen import Unwiden, widen_group
 from .mlp import check_mlp, config_activation, mlp_forward
 from .report import PatchReport
 from .zero3 import is_zero3_param, only_zero3_hooks
@@ -85,20 +86,21 @@ def stock_compute_dtype(proj: nn.Module, spec, x_dtype: torch.dtype) -> torch.dt
     return declared or x_dtype
 
 
-def projection_specs(module: nn.Module, names: tuple[str, ...], at_call: bool = False):
+def projection_specs(module: nn.Module, names: tuple[str, ...], at_call: bool = False, ignore_disabled: bool = False):
     """The ``(base, A, B, scaling)`` spec of each named projection of ``module``, or why not.
 
     Checks what does not depend on the input: ``lora_spec``, forward hooks, CPU-repacked NF4
     weights, and that at least one projection has an active adapter. ``at_call``: inside
     ``module``'s forward, where DeepSpeed ZeRO-3 parameters must be gathered for ``module``
     (``zero3.py``); DeepSpeed's own hooks on the projections are then skipped with their forward.
+    ``ignore_disabled``: as if the adapters were not disabled (``lora_spec``).
     """
-    specs = []
+    specs, disabled_wide = [], False
     for name in names:
         proj = getattr(module, name, None)
         if not isinstance(proj, nn.Module):
             return f"no `{name}` submodule"
-        spec = lora_spec(proj, zero3_owner=module if at_call else None)
+        spec = lora_spec(proj, zero3_owner=module if at_call else None, ignore_disabled=ignore_disabled)
         if isinstance(spec, str):
             return f"{name}: {spec}"
         zero3 = is_zero3_param(getattr(_base_layer(proj), "weight", None))
@@ -107,9 +109,18 @@ def projection_specs(module: nn.Module, names: tuple[str, ...], at_call: bool = 
         if spec[0].is_nf4 and getattr(spec[0].quant_state, "packing_format_for_cpu", False):
             return f"{name}: NF4 weight repacked by bitsandbytes' CPU inference path"
         specs.append(spec)
-    if all(spec[1] is None for spec in specs):
+        # A LoRA layer over a widened base runs its disabled-adapter calls widened too (lora_spec).
+        disabled_wide |= is_lora_layer(proj) and spec[0].wide is not None
+    if all(spec[1] is None for spec in specs) and not disabled_wide:
         return f"no active LoRA adapter on {', '.join(names)}"
     return specs
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a projection of x multiplies in: the autocast dtype of x's device, else x's."""
+    dev = x.device.type
+    autocast = dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev)
+    return torch.get_autocast_dtype(dev) if autocast else x.dtype
 
 
 def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
@@ -124,7 +135,7 @@ def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
     if not torch.is_grad_enabled() and any(spec[0].is_nf4 for spec in specs):
         return "NF4 inference (no autograd): bitsandbytes' own 4-bit kernels"
     autocast = x.device.type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(x.device.type)
-    x_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    x_dtype = compute_dtype(x)
     for name, spec in zip(names, specs):
         base, a, _, _ = spec
         tensors = (base.weight, base.bias, a)
@@ -144,19 +155,54 @@ class _Hook:
     copies them with the model.
     """
 
-    def __init__(self, names: tuple[str, ...], previous):
+    def __init__(self, names: tuple[str, ...], previous, widen: bool = False):
         self.names = names
         self.previous = previous
+        self.widen = widen
 
     def __repr__(self) -> str:
         return f"<fasttune {type(self).__name__} over {', '.join(self.names)}>"
+
+    def groups(self, n: int) -> tuple[tuple[int, int, bool], ...]:
+        """The projection groups that share one input, as (start, stop, input copied) over the specs."""
+        return ()
+
+    def widened(self, module: nn.Module, specs: list, dtype: torch.dtype) -> list:
+        """``specs`` with each group of projections widened where ``lora_widen.widen_group`` finds
+        it pays (``widen`` on)."""
+        if not self.widen:
+            return specs
+        out = list(specs)
+        for start, stop, copied in self.groups(len(specs)):
+            projections = [getattr(module, n) for n in self.names[start:stop]]
+            out[start:stop] = widen_group(projections, out[start:stop], dtype, input_copied=copied)
+        return out
+
+    def specs(self, module: nn.Module, x: torch.Tensor):
+        """``call_specs``, widened; a call with the adapters disabled (DPO's reference pass, maybe
+        before any training call) widens the groups first, with the disabled adapters' ranks, so a
+        fresh adapter (B = 0) and the reference compute the same products bit for bit."""
+        specs = call_specs(module, self.names, x)
+        if isinstance(specs, str):
+            if not (self.widen and any(getattr(getattr(module, n, None), "disable_adapters", False)
+                                       for n in self.names)):
+                return specs
+            enabled = projection_specs(module, self.names, at_call=True, ignore_disabled=True)
+            if isinstance(enabled, str):
+                return specs
+            self.widened(module, enabled, compute_dtype(x))
+            return call_specs(module, self.names, x)
+        return self.widened(module, specs, compute_dtype(x))
 
 
 class LoRAQKVHook(_Hook):
     """``project_qkv`` through ``lora_qkv`` (separate q/k/v) or ``lora_linear`` (Phi-3's qkv_proj)."""
 
+    def groups(self, n: int):
+        return ((0, n, True),)
+
     def __call__(self, module: nn.Module, hidden_states: torch.Tensor):
-        specs = call_specs(module, self.names, hidden_states)
+        specs = self.specs(module, hidden_states)
         if isinstance(specs, str):
             return self.previous(module, hidden_states)
         if len(specs) == 3:
@@ -188,14 +234,19 @@ class LoRAMLPHook(_Hook):
     recompute (whose output is discarded) ``lora_mlp`` may skip the down projection.
     """
 
-    def __init__(self, names: tuple[str, ...], previous, activation: str, stock, skip_unused: bool = False):
-        super().__init__(names, previous)
+    def __init__(self, names: tuple[str, ...], previous, activation: str, stock, skip_unused: bool = False,
+                 widen: bool = False):
+        super().__init__(names, previous, widen)
         self.activation = activation
         self.stock = stock
         self.skip_unused = skip_unused
 
+    def groups(self, n: int):
+        # gate/up share a copied input; lora_mlp's down reads H where the GLU kernel writes it.
+        return ((0, 2, True), (2, 3, False)) if n == 3 else ((0, 1, True), (1, 2, True))
+
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        specs = call_specs(module, self.names, x)
+        specs = self.specs(module, x)
         if isinstance(specs, str):
             if self.previous is not None:
                 return self.previous(module, x)
@@ -243,7 +294,8 @@ def _mlp_activation(module: nn.Module, fwd, spec: FamilySpec, base: nn.Module):
     return (None, reason) if reason is not None else (ACTIVATIONS[activation], None)
 
 
-def _patch_attention(name: str, module: nn.Module, spec: FamilySpec, report: PatchReport) -> None:
+def _patch_attention(name: str, module: nn.Module, spec: FamilySpec, config: FastConfig,
+                     report: PatchReport) -> None:
     fwd = attention_forward(module)
     qkv_names, o_names = QKV_NAMES[spec.qkv_layout], ("o_proj",)
     for op, names, attr, cls in ((OP_QKV, qkv_names, "project_qkv", LoRAQKVHook),
@@ -255,10 +307,11 @@ def _patch_attention(name: str, module: nn.Module, spec: FamilySpec, report: Pat
         if isinstance(specs, str):
             report.fallback(op, name, specs)
             continue
-        _install(fwd, attr, cls(names, getattr(fwd, attr)), report, op)
+        _install(fwd, attr, cls(names, getattr(fwd, attr), widen=config.lora_widen), report, op)
 
 
-def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, report: PatchReport) -> None:
+def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, config: FastConfig,
+               report: PatchReport) -> None:
     fwd = mlp_forward(module)
     if fwd is None:
         report.fallback(OP_MLP, name, "MLP forward not installed (see the mlp/mlp_hook fallback)")
@@ -272,7 +325,8 @@ def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, 
     if reason is not None:
         report.fallback(OP_MLP, name, reason)
         return
-    hook = LoRAMLPHook(names, fwd.fused_mlp, activation, fwd.stock, skip_unused=not spec.mlp_output_saved)
+    hook = LoRAMLPHook(names, fwd.fused_mlp, activation, fwd.stock, skip_unused=not spec.mlp_output_saved,
+                       widen=config.lora_widen)
     _install(fwd, "fused_mlp", hook, report, OP_MLP)
 
 
@@ -301,11 +355,12 @@ def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCon
     if not config.lora or not any(is_lora_layer(m) for m in base.modules()):
         return
     attn_cls, mlp_cls = classes.get("attention_class"), classes.get("mlp_class")
+    report.on_undo(Unwiden(base))  # runs after the hooks are gone (undo is last-in, first-out)
     for name, module in base.named_modules():
         if attn_cls is not None and type(module) is attn_cls:
-            _patch_attention(name, module, spec, report)
+            _patch_attention(name, module, spec, config, report)
         elif mlp_cls is not None and type(module) is mlp_cls:
-            _patch_mlp(name, module, spec, base, report)
+            _patch_mlp(name, module, spec, base, config, report)
 
 
 __all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "fused_lora_projections", "is_lora_layer",

@@ -7,7 +7,8 @@ would not compute what the module's own forward computes: dropout, DoRA or anoth
 variant, several active adapters, merged or disabled adapters, a LoRA bias, fan-in-fan-out
 weights, a trainable base weight, a base layer other than a linear or an NF4 ``Linear4bit``, a
 DeepSpeed ZeRO-3 weight that is not gathered for the caller. Call it at each forward: it reads
-the module's current state (set_adapter, merge, disable).
+the module's current state (set_adapter, merge, disable). A dense base weight re-homed by
+``lora_widen.py`` comes with its ``WideWeight``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ..kernels.lora import BaseWeight
+from .lora_widen import wide_of
 from .zero3 import is_zero3_param, zero3_ready
 
 __all__ = ["lora_spec"]
@@ -53,7 +55,7 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
         return BaseWeight(weight.data, quant_state, None if bias is None else bias.detach())
     if not isinstance(layer, nn.Linear) or weight.dim() != 2 or not weight.is_floating_point():
         return f"base layer {type(layer).__name__} is not a linear layer"
-    return BaseWeight(weight, None, bias)
+    return BaseWeight(weight, None, bias, wide_of(layer, weight))
 
 
 def _active_adapter(module: nn.Module) -> str | None:
@@ -66,7 +68,7 @@ def _active_adapter(module: nn.Module) -> str | None:
     return active[0] if len(active) == 1 else (None if not active else "")
 
 
-def lora_spec(module: nn.Module, zero3_owner: nn.Module | None = None):
+def lora_spec(module: nn.Module, zero3_owner: nn.Module | None = None, ignore_disabled: bool = False):
     """``(BaseWeight, lora_a, lora_b, scaling)`` for ``module``, or a string saying why not.
 
     A module with no active adapter here gives ``(BaseWeight, None, None, 0.0)`` (the kernels
@@ -76,20 +78,24 @@ def lora_spec(module: nn.Module, zero3_owner: nn.Module | None = None):
     DeepSpeed ZeRO-3 parameters (``zero3.py``): with ``zero3_owner`` (the attention or MLP whose
     forward is running) they must be gathered and kept gathered by that module, else a reason;
     without it (at patch time) a partitioned base weight stands in as a meta tensor of its shape.
+    ``ignore_disabled``: the spec as if PEFT's ``disable_adapter()`` were not in force (its ranks
+    size the widened layout before a reference pass, ``lora_widen.py``).
     """
     if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
         base = _base_weight(module, zero3_owner)
         return base if isinstance(base, str) else (base, None, None, 0.0)
     if getattr(module, "merged", False):
         return "LoRA adapter merged into the base weight"
-    if getattr(module, "disable_adapters", False):
-        return "LoRA adapters disabled"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out (Conv1D-style) weights"
     base = _base_weight(module.get_base_layer() if hasattr(module, "get_base_layer") else module.base_layer,
                         zero3_owner)
     if isinstance(base, str):
         return base
+    if getattr(module, "disable_adapters", False) and not ignore_disabled:
+        # A widened base (lora_widen.py) runs the disabled pass through the same widened product
+        # with a zero tail, so a fresh adapter's output (B = 0) is bitwise this one; else PEFT's path.
+        return (base, None, None, 0.0) if base.wide is not None else "LoRA adapters disabled"
     adapter = _active_adapter(module)
     if adapter == "":
         return "several active LoRA adapters"

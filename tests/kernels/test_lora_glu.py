@@ -207,3 +207,17 @@ def test_llama8b_mlp_on_gpu(nf4):
     specs = [proj(14336, 4096, 16, dt, "cuda", 30, nf4), proj(14336, 4096, 16, dt, "cuda", 31, nf4),
              proj(4096, 14336, 16, dt, "cuda", 32, nf4)]
     check_mlp(x, specs, "silu", dt)
+
+
+def test_glu_forward_writes_into_a_wider_buffer(device):
+    """H straight into the first columns of a widened input (lora_wide.py): same bits, tail untouched."""
+    torch.manual_seed(6)
+    g, u = torch.randn(13, 203, device=device), torch.randn(13, 203, device=device)
+    buf = torch.full((13, 211), 7.0, device=device)
+    out = lora_glu.glu_forward(g, u, "silu", out=buf[:, :203])
+    assert out.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:, :203], lora_glu.glu_forward(g, u, "silu")) and (buf[:, 203:] == 7.0).all()
+    with pytest.raises(ValueError, match="unit column stride"):
+        lora_glu.glu_forward(g, u, "silu", out=buf[:, :202])
+    with pytest.raises(ValueError, match="unit column stride"):
+        lora_glu.glu_forward(g, u, "silu", out=torch.empty(203, 13, device=device).t())

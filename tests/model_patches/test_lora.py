@@ -162,20 +162,28 @@ def test_nf4_qlora_matches_peft(model_type, device, spy):
     assert sum(spy.values()) == fused_calls_per_forward(model_type), spy
 
 
+@pytest.mark.parametrize("reference_first", [False, True], ids=["policy_first", "reference_first"])
 @pytest.mark.parametrize("model_type", ["llama", "gemma", "phi3"])
-def test_fresh_adapter_output_is_bitwise_the_disabled_adapter_output(model_type, device, spy):
+def test_fresh_adapter_output_is_bitwise_the_disabled_adapter_output(model_type, reference_first, device, spy):
     """B = 0 (PEFT's default init): the fused path's output equals the adapters-disabled pass
-    exactly, as in stock PEFT, so DPO's policy/reference log-ratios start at exactly 0."""
+    exactly, as in stock PEFT, so DPO's policy/reference log-ratios start at exactly 0 — also
+    when the reference pass comes first (TRL's precompute_ref_log_probs), before any training
+    call has widened the weights (lora_widen.py)."""
     model = lora_model(model_type, device, init_lora_weights=True)
     patch_model(model, FastConfig())
     model.train()
-    ids = make_batch(VOCAB, seed=3, device=device)["input_ids"]
+    ids = make_batch(VOCAB, batch=4, seq=20, seed=3, device=device)["input_ids"]  # > 64 rows: no-grad stays fused
+
+    def reference():
+        with model.disable_adapter(), torch.no_grad():
+            return model(input_ids=ids).logits
+
     with torch.enable_grad():  # the training path (fused Functions), logits returned without labels
+        ref = reference() if reference_first else None
         policy = model(input_ids=ids).logits
-        with model.disable_adapter():
-            reference = model(input_ids=ids).logits
+        ref = reference() if not reference_first else ref
     assert spy["lora_qkv"] + spy["lora_linear"] + spy["lora_mlp"] >= fused_calls_per_forward(model_type) - LAYERS
-    assert torch.equal(policy, reference)
+    assert torch.equal(policy, ref)
 
 
 def test_adapters_on_some_projections_only(device, spy):
@@ -232,15 +240,22 @@ def test_ineligible_modules_keep_peft_path(model_type, lora_kw, setup, expected,
 # --- adapter state changes after patching ----------------------------------------------------------
 
 
-def test_disable_merge_and_unload_after_patching(device, spy):
-    stock, fast, report = stock_and_fast("llama", device, seed=6)
+@pytest.mark.parametrize("widen", [True, False], ids=["widened", "not_widened"])
+def test_disable_merge_and_unload_after_patching(widen, device, spy):
+    stock, fast, report = stock_and_fast("llama", device, FastConfig(lora_widen=widen), seed=6)
     batch = make_batch(VOCAB, batch=4, seq=20, seed=16, device=device)  # > 64 rows: no-grad calls stay fused
     fast.eval(), stock.eval()
     with_adapter = logits(stock, batch)
+    assert rel_err(logits(fast, batch), with_adapter) <= 1e-6  # the first fused calls widen (lora_widen.py)
+    spy.clear()
 
     with fast.disable_adapter(), stock.disable_adapter():  # DPO's reference pass
         assert rel_err(logits(fast, batch), logits(stock, batch)) <= 1e-6
-    assert sum(spy.values()) == 0
+    # Widened weights run the disabled pass through their widened product (zero tail); O is not
+    # widened (its input copy would cost what it saves) and takes PEFT's path, as everything does
+    # without widening.
+    assert dict(spy) == ({"lora_qkv": LAYERS, "lora_mlp": LAYERS} if widen else {})
+    spy.clear()
     assert rel_err(logits(fast, batch), with_adapter) <= 1e-6  # adapters back on: fused again
     assert sum(spy.values()) == fused_calls_per_forward("llama")
     spy.clear()

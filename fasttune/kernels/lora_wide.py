@@ -1,0 +1,144 @@
+"""The LoRA rank-r term folded into the base product: Y = [X | s·XA] [W | B]ᵀ.
+
+A LoRA projection computes Y = X Wᵀ + s·(X Aᵀ) Bᵀ. As two products (``lora.project``), the
+rank-r term is an extra memory-bound pass over Y (read and write [N, out]): ~0.19 ms per
+14,336-wide gate/up output of an 8B layer at N = 8,192, next to the 1.2 ms base product.
+Appending the rank columns to the contraction puts it inside the base product:
+
+    Y_p = [X | s_1·XA_1 | s_2·XA_2 | … | 0] · [W_p | 0 … B_p … 0]ᵀ      (K = in + R)
+
+for the projections p of one input X (q/k/v, or gate/up), where projection p owns tail columns
+[c_p, c_p + r_p) (c_p = the ranks of the adapters before it) and R ≥ Σ r_p (model_patches pads it to
+``TAIL_MULTIPLE`` columns; the unused ones are zero on both sides). The price: one copy
+of X into the widened input, shared by the group (none for the down projection, whose input the
+GLU kernel writes there directly), and R more multiply-adds per output. Backward is unchanged
+(``lora.group_backward`` on the W columns).
+
+The weight side is never copied per call: a ``WideWeight`` owns a buffer [out, in + R] whose first
+``in`` columns are the frozen base weight itself (the parameter is re-homed as a view of them,
+``model_patches/lora_widen.py``) and whose tail receives the projection's B, cast to the compute
+dtype, on every call; the rest of the tail stays zero.
+
+Rounding: one fp32 accumulation of base and rank-r terms and one rounding, where the two-product
+path rounds the base product first. With B = 0 the tail products are exact zeros, so a fresh
+adapter's output is bitwise this path's output with the adapters disabled (zero tail), which is
+what DPO's policy/reference comparison at step 0 needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["WideWeight", "wide_columns", "widened_input", "project_wide", "TAIL_MULTIPLE"]
+
+TAIL_MULTIPLE = 64  # tails padded to 64 columns: rows of a 16-bit buffer stay 128-byte aligned for cuBLAS
+
+
+class WideWeight:
+    """A frozen weight [out, in] stored as the first ``in`` columns of a buffer [out, in + R].
+
+    Args:
+        buf: the buffer, contiguous [out, in + R], R ≥ 1.
+        in_features: in.
+
+    ``weight_view()`` is the [out, in] view the model's parameter holds; ``holds(t)`` says
+    whether ``t`` is still that view (a ``.to()`` or FSDP re-homes parameters and leaves the
+    buffer stale). Not copied by ``copy.deepcopy`` (a deep-copied model gets contiguous weights
+    and no buffer).
+    """
+
+    __slots__ = ("buf", "in_features", "_layout")
+
+    def __init__(self, buf: torch.Tensor, in_features: int):
+        if buf.dim() != 2 or not buf.is_contiguous() or not 0 < in_features < buf.shape[1]:
+            raise ValueError(f"buf must be a contiguous [out, in + R] tensor with R >= 1, got {tuple(buf.shape)} "
+                             f"for in_features={in_features}")
+        self.buf, self.in_features, self._layout = buf, in_features, None
+
+    @property
+    def extra(self) -> int:
+        """R, the tail width."""
+        return self.buf.shape[1] - self.in_features
+
+    def weight_view(self) -> torch.Tensor:
+        return self.buf[:, : self.in_features]
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        buf = self.buf
+        return (weight.data_ptr() == buf.data_ptr() and weight.dtype == buf.dtype and weight.device == buf.device
+                and tuple(weight.shape) == (buf.shape[0], self.in_features) and weight.stride() == buf.stride())
+
+    def load(self, col: int | None, b: torch.Tensor | None) -> None:
+        """Put B [out, r] in tail columns [col, col + r) and zeros elsewhere (None: an all-zero tail).
+
+        The tail is zeroed only when the layout differs from the last call's; B is written on every
+        call (an optimizer step changes it in place)."""
+        layout = None if b is None else (col, b.shape[1])
+        tail = self.buf[:, self.in_features:]
+        if layout != self._layout:
+            tail.zero_()
+            self._layout = layout
+        if b is not None:
+            tail[:, col:col + b.shape[1]].copy_(b)
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def wide_columns(bases, adapters, dtype: torch.dtype) -> list[int | None] | None:
+    """Each projection's first tail column (None where it has no adapter), or None when the group
+    cannot run widened: a base without a ``WideWeight``, a buffer of another dtype, unequal tail
+    widths, or more rank columns than the tail holds."""
+    widths = {getattr(base, "wide", None) and (base.wide.extra, base.wide.buf.dtype) for base in bases}
+    if len(widths) != 1 or None in widths:
+        return None
+    ((extra, buf_dtype),) = widths
+    if buf_dtype != dtype:
+        return None
+    cols, col = [], 0
+    for ad in adapters:
+        cols.append(None if ad is None else col)
+        col += 0 if ad is None else ad[0].shape[0]
+    return cols if col <= extra else None
+
+
+def widened_input(x2: torch.Tensor, extra: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A [N, in + extra] buffer whose first ``in`` columns hold X (copied unless ``out`` already
+    holds it there, as the GLU kernel leaves H); the tail is filled by ``project_wide``."""
+    if out is not None:
+        return out
+    xcat = x2.new_empty((x2.shape[0], x2.shape[1] + extra))
+    xcat[:, : x2.shape[1]].copy_(x2)
+    return xcat
+
+
+def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, cols: list[int | None],
+                 xcat: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p, one product each (module docstring).
+
+    Args:
+        x2: X [N, in].
+        bases: the projections' ``BaseWeight``s, each with a ``WideWeight`` of tail width R.
+        adapters: per projection (A, B, s) or None, in the column order of ``xa``.
+        xa: X [A_p; …]ᵀ [N, Σ r_p] over the projections with an adapter, or None.
+        cols: ``wide_columns(bases, adapters, dtype)``.
+        xcat: a [N, in + R] buffer already holding X in its first ``in`` columns, or None.
+    """
+    dt, in_f = x2.dtype, x2.shape[1]
+    extra = bases[0].wide.extra
+    if xcat is not None and tuple(xcat.shape) != (x2.shape[0], in_f + extra):
+        xcat = None  # a buffer for another tail width: copy X into a fitting one
+    xcat = widened_input(x2, extra, xcat)
+    tail = xcat[:, in_f:]
+    used = 0 if xa is None else xa.shape[1]
+    for ad, col in zip(adapters, cols):
+        if ad is not None:
+            torch.mul(xa[:, col:col + ad[0].shape[0]], ad[2], out=tail[:, col:col + ad[0].shape[0]])
+    if used < extra:
+        tail[:, used:].zero_()
+    ys = []
+    for base, ad, col in zip(bases, adapters, cols):
+        base.wide.load(col, None if ad is None else ad[1])  # copy_ casts to the buffer's dtype
+        ys.append(F.linear(xcat, base.wide.buf, None if base.bias is None else base.bias.to(dt)))
+    return ys

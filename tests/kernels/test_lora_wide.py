@@ -1,0 +1,205 @@
+"""lora_wide.py: the rank-r term folded into the base product, against float64 math.
+
+Widened bases (W the first columns of a [out, in + R] buffer, B written into the tail per call)
+through ``project_wide`` directly and through the fused Functions (lora_qkv, lora_linear,
+lora_mlp, whose down projection reads H from the GLU kernel's widened output): every output and
+every gradient on fresh random inputs, odd widths, GQA, partial adapters and unequal ranks, bias,
+fp32 (relative error ≤ 1e-5) and bf16 (error norm ≤ 2 × the same-dtype reference's + 1e-4 of the
+norm, as test_lora.py). Plus the tail bookkeeping and the bitwise B = 0 / adapters-off property.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from fasttune.kernels import reference
+from fasttune.kernels.lora import BaseWeight, lora_linear, lora_qkv
+from fasttune.kernels.lora_glu import lora_mlp
+from fasttune.kernels.lora_wide import WideWeight, project_wide, wide_columns
+
+
+def widened(w: torch.Tensor, extra: int, bias=None) -> BaseWeight:
+    buf = torch.zeros(w.shape[0], w.shape[1] + extra, dtype=w.dtype, device=w.device)
+    buf[:, : w.shape[1]].copy_(w)
+    wide = WideWeight(buf, w.shape[1])
+    return BaseWeight(wide.weight_view(), None, bias, wide)
+
+
+def spec(out_f, in_f, r, dtype, device, seed, extra=None, bias=False):
+    """((widened base, A, B, s), dense W, bias): B random, so the rank-r term shows."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype)
+    b = (torch.randn(out_f, generator=g) * 0.1).to(device, dtype) if bias else None
+    base = widened(w, extra, b) if extra else BaseWeight(w, None, b)
+    if r == 0:
+        return (base, None, None, 0.0), w, b
+    a = (torch.randn(r, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype).requires_grad_()
+    bb = (torch.randn(out_f, r, generator=g) / math.sqrt(r)).to(device, dtype).requires_grad_()
+    return (base, a, bb, 0.5 + seed % 3 * 0.5), w, b
+
+
+def ref_outputs(x, parts, dtype):
+    """Each projection X Wᵀ + b + s·X Aᵀ Bᵀ in ``dtype`` (float64 autograd leaves), and the leaves."""
+    xl = x.detach().to(dtype).requires_grad_()
+    leaves, outs = [xl], []
+    for (_, a, b, s), w, bias in parts:
+        al = None if a is None else a.detach().to(dtype).requires_grad_()
+        bl = None if b is None else b.detach().to(dtype).requires_grad_()
+        leaves += [t for t in (al, bl) if t is not None]
+        y = xl @ w.to(dtype).t() + (0 if bias is None else bias.to(dtype))
+        outs.append(y if a is None else y + s * (xl @ al.t()) @ bl.t())
+    return outs, leaves
+
+
+def assert_close(got, ref64, same, name):
+    err = (got.double() - ref64).norm().item()
+    scale = ref64.norm().item()
+    bound = 1e-5 * scale if same is None else 2 * (same.double() - ref64).norm().item() + 1e-4 * scale
+    assert err <= bound, f"{name}: err {err:.3e} > bound {bound:.3e} (scale {scale:.3e})"
+
+
+def check(fn, x, parts, dtype):
+    outs = fn(x, [p[0] for p in parts])
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    dys = [torch.randn_like(o) for o in outs]
+    params = [x] + [t for (_, a, b, _), _, _ in parts for t in (a, b) if t is not None]
+    got = torch.autograd.grad(outs, params, dys)
+    want = {}
+    for rdt in (torch.float64, dtype) if dtype != torch.float32 else (torch.float64,):
+        r_outs, leaves = ref_outputs(x, parts, rdt)
+        want[rdt] = (r_outs, torch.autograd.grad(r_outs, leaves, [d.to(rdt) for d in dys]))
+    same = want.get(dtype) if dtype != torch.float32 else None
+    for i, o in enumerate(outs):
+        assert o.dtype == dtype
+        assert_close(o, want[torch.float64][0][i], None if same is None else same[0][i], f"output {i}")
+    for i, g in enumerate(got):
+        assert_close(g, want[torch.float64][1][i], None if same is None else same[1][i], f"grad {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_qkv_widened_gqa_partial_adapters(device, dtype):
+    """q 96 wide, k 48 without adapter (bias), v 48; ranks 8 and 5: tail 16 (13 used, padded)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 23, 72, device=device, dtype=dtype, requires_grad=True)
+    parts = [spec(96, 72, 8, dtype, device, 1, extra=16), spec(48, 72, 0, dtype, device, 2, extra=16, bias=True),
+             spec(48, 72, 5, dtype, device, 3, extra=16)]
+    assert wide_columns([p[0][0] for p in parts], [None if p[0][1] is None else p[0][1:] for p in parts],
+                        dtype) == [0, None, 8]
+    check(lambda x, specs: lora_qkv(x, *specs), x, parts, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_linear_widened_with_bias(device, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(41, 80, device=device, dtype=dtype, requires_grad=True)
+    parts = [spec(136, 80, 16, dtype, device, 4, extra=24, bias=True)]
+    check(lambda x, specs: lora_linear(x, *specs[0]), x, parts, dtype)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mlp_widened(device, dtype, activation):
+    """gate/up widened (tail 16 = 8 + 8), down widened (tail 8): H goes straight into the widened input."""
+    torch.manual_seed(2)
+    x = torch.randn(2, 31, 72, device=device, dtype=dtype, requires_grad=True)
+    parts = [spec(203, 72, 8, dtype, device, 5, extra=16), spec(203, 72, 8, dtype, device, 6, extra=16),
+             spec(72, 203, 8, dtype, device, 7, extra=8)]
+    y = lora_mlp(x, *(p[0] for p in parts), activation=activation)
+    dy = torch.randn_like(y)
+    params = [x] + [t for (_, a, b, _), _, _ in parts for t in (a, b)]
+    got = torch.autograd.grad(y, params, dy)
+    for rdt in (torch.float64,) + ((dtype,) if dtype != torch.float32 else ()):
+        leaves = [t.detach().to(rdt).requires_grad_() for t in params]
+        specs = [(parts[i][1].to(rdt), leaves[1 + 2 * i], leaves[2 + 2 * i], parts[i][0][3]) for i in range(3)]
+        ry = reference.lora_mlp(leaves[0], *specs, activation=activation)
+        rg = torch.autograd.grad(ry, leaves, dy.to(rdt))
+        if rdt == torch.float64:
+            ref64 = (ry, rg)
+        else:
+            same = (ry, rg)
+    same = same if dtype != torch.float32 else (None, [None] * len(params))
+    assert_close(y, ref64[0], same[0], "output")
+    for i, g in enumerate(got):
+        assert_close(g, ref64[1][i], same[1][i], f"grad {i}")
+
+
+def test_fresh_adapter_is_bitwise_the_adapterless_product(device):
+    """B = 0: the tail products are exact zeros, so the output equals the no-adapter call's bits."""
+    torch.manual_seed(3)
+    x = torch.randn(37, 64, device=device)
+    (base, a, b, s), _, _ = spec(112, 64, 16, torch.float32, device, 8, extra=16)
+    with torch.no_grad():
+        b.zero_()
+    with torch.no_grad():  # as inside the fused Functions' forward
+        fresh = project_wide(x, [base], [(a, b, s)], x @ a.t(), [0])[0]
+        off = project_wide(x, [base], [None], None, [None])[0]
+    assert torch.equal(fresh, off)
+    assert torch.equal(base.wide.buf[:, 64:], torch.zeros(112, 16, device=device))  # the off call zeroed it
+
+
+def test_tail_layout_bookkeeping(device):
+    w = torch.randn(10, 6, device=device)
+    wide = widened(w, 8).wide
+    b1, b2 = torch.randn(10, 3, device=device), torch.randn(10, 2, device=device)
+    wide.load(0, b1)
+    assert torch.equal(wide.buf[:, 6:9], b1) and not wide.buf[:, 9:].any()
+    wide.load(4, b2)  # another layout: the old columns are cleared
+    assert not wide.buf[:, 6:10].any() and torch.equal(wide.buf[:, 10:12], b2)
+    b2.mul_(2)
+    wide.load(4, b2)  # same layout, new values (an optimizer step)
+    assert torch.equal(wide.buf[:, 10:12], b2)
+    assert torch.equal(wide.weight_view(), w)
+
+
+def test_holds_and_deepcopy(device):
+    base = widened(torch.randn(8, 5, device=device), 8)
+    wide = base.wide
+    assert wide.holds(base.weight) and not wide.holds(base.weight.contiguous())
+    assert not wide.holds(base.weight.to(torch.float64))
+    assert copy.deepcopy({"w": wide})["w"] is None  # a deep-copied model gets no buffer
+    with pytest.raises(ValueError, match="holds this dense weight"):
+        BaseWeight(torch.randn(8, 5, device=device), None, None, wide)
+    with pytest.raises(ValueError, match="R >= 1"):
+        WideWeight(torch.zeros(4, 4, device=device), 4)
+
+
+def test_wide_columns_rejects_what_cannot_run_widened(device):
+    dt = torch.float32
+    (q, a, b, s), _, _ = spec(16, 8, 8, dt, device, 9, extra=8)
+    (k, a2, b2, s2), _, _ = spec(16, 8, 4, dt, device, 10, extra=16)
+    plain = BaseWeight(torch.randn(16, 8, device=device))
+    assert wide_columns([q], [(a, b, s)], dt) == [0]
+    assert wide_columns([q], [(a, b, s)], torch.bfloat16) is None  # buffer of another dtype
+    assert wide_columns([q, k], [(a, b, s), (a2, b2, s2)], dt) is None  # unequal tails
+    assert wide_columns([q, plain], [(a, b, s), None], dt) is None  # one base not widened
+    assert wide_columns([k, k], [(a, b, s), (a, b, s)], dt) == [0, 8]
+    assert wide_columns([q, q], [(a, b, s), (a, b, s)], dt) is None  # 16 rank columns, tail 8
+
+
+def test_project_falls_back_when_the_tail_is_too_narrow(device):
+    """lora.project takes the two-product path when the widened layout does not fit (a larger adapter)."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 9, 24, device=device, requires_grad=True)
+    parts = [spec(40, 24, 16, torch.float32, device, 11, extra=8)]
+    check(lambda x, specs: lora_linear(x, *specs[0]), x, parts, torch.float32)
+    assert not parts[0][0][0].wide.buf[:, 24:].any()  # never written
+
+
+@pytest.mark.gpu
+def test_llama8b_qkv_and_mlp_widened_on_gpu():
+    """Llama-3-8B q/k/v and MLP widths at 4,096 rows, r = 16, bf16, widened, against float64."""
+    torch.manual_seed(5)
+    dt, dev = torch.bfloat16, "cuda"
+    x = torch.randn(4096, 4096, device=dev, dtype=dt, requires_grad=True)
+    parts = [spec(4096, 4096, 16, dt, dev, 12, extra=48), spec(1024, 4096, 16, dt, dev, 13, extra=48),
+             spec(1024, 4096, 16, dt, dev, 14, extra=48)]
+    check(lambda x, specs: lora_qkv(x, *specs), x, parts, dt)
+    parts = [spec(14336, 4096, 16, dt, dev, 15, extra=32), spec(14336, 4096, 16, dt, dev, 16, extra=32),
+             spec(4096, 14336, 16, dt, dev, 17, extra=16)]
+    y = lora_mlp(x, *(p[0] for p in parts))
+    ref = reference.lora_mlp(x.double(), *((w.double(), a.double(), b.double(), s) for (_, a, b, s), w, _ in parts))
+    assert (y.double() - ref).norm() <= 1e-2 * ref.norm()
