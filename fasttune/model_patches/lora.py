@@ -159,6 +159,7 @@ class _Hook:
         self.names = names
         self.previous = previous
         self.widen = widen
+        self._probed_disabled = False  # specs(): widening tried at a disabled-adapter call
 
     def __repr__(self) -> str:
         return f"<fasttune {type(self).__name__} over {', '.join(self.names)}>"
@@ -183,16 +184,18 @@ class _Hook:
         before any training call) widens the groups first, with the disabled adapters' ranks, so a
         fresh adapter (B = 0) and the reference compute the same products bit for bit."""
         specs = call_specs(module, self.names, x)
-        if isinstance(specs, str):
-            if not (self.widen and any(getattr(getattr(module, n, None), "disable_adapters", False)
-                                       for n in self.names)):
-                return specs
+        if not isinstance(specs, str):
+            return self.widened(module, specs, compute_dtype(x))
+        # Tried once per hook: a group that cannot widen (NF4, ...) must not pay for the probe on
+        # every reference call; one that did is found widened by call_specs from then on.
+        if self.widen and not self._probed_disabled and any(
+                getattr(getattr(module, n, None), "disable_adapters", False) for n in self.names):
+            self._probed_disabled = True
             enabled = projection_specs(module, self.names, at_call=True, ignore_disabled=True)
-            if isinstance(enabled, str):
-                return specs
-            self.widened(module, enabled, compute_dtype(x))
-            return call_specs(module, self.names, x)
-        return self.widened(module, specs, compute_dtype(x))
+            if not isinstance(enabled, str):
+                self.widened(module, enabled, compute_dtype(x))
+                return call_specs(module, self.names, x)
+        return specs
 
 
 class LoRAQKVHook(_Hook):

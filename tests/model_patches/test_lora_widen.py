@@ -153,3 +153,31 @@ def test_switching_to_a_larger_adapter_rewidens_once(device):
         assert rel_err(loss_fast.detach(), loss_stock.detach()) <= 1e-6, name
         assert_grads_close(fast, stock, 1e-5)
         assert wide_of(q, q.weight).extra == tail, name  # 3 × 48 = 144 rank columns → 192
+
+
+def test_reference_pass_probes_widening_once_per_hook(device, monkeypatch):
+    """A disabled-adapter call (DPO's reference) before any training call widens the groups; where
+    they cannot widen (here: weights that are views of a shared buffer) the probe is not repeated
+    on every later reference call."""
+    from fasttune.model_patches import lora as lora_mod
+
+    model = lora_model(device, seed=11)
+    shared = {}
+    for p in qkv(model):  # q/k/v weights become views of one buffer: not theirs to re-home
+        w = p.base_layer.weight
+        shared[p] = torch.cat([w.detach(), torch.zeros_like(w[:1])])
+        w.data = shared[p][:-1]
+    patch_model(model, FastConfig())
+    probes = []
+    original = lora_mod.projection_specs
+    monkeypatch.setattr(lora_mod, "projection_specs",
+                        lambda *a, **k: probes.append(k.get("ignore_disabled")) or original(*a, **k))
+    batch = make_batch(VOCAB, batch=4, seq=20, seed=12, device=device)  # > 64 rows: no-grad calls stay fused
+    model.eval()
+    with model.disable_adapter(), torch.no_grad():
+        for _ in range(3):
+            model(**batch)
+    assert probes.count(True) == 2 * 2  # attention and MLP hooks of 2 layers, once each
+    mlp0 = model.base_model.model.model.layers[0].mlp
+    assert wide_of(mlp0.gate_proj.base_layer, mlp0.gate_proj.base_layer.weight) is not None  # MLP widened
+    assert all(WIDE_ATTR not in p.base_layer.__dict__ for p in qkv(model))
