@@ -28,6 +28,11 @@ allocated over the timed steps (weights, adapters, AdamW states and activations;
 fasttune "offload" also hold pinned host memory), and the loss of the first step (adapters' B
 starts at 0, so every stack computes the same function there: a sanity check across stacks).
 
+The JSON rows also carry each timed step's ms, per-step phases (GPU ms of forward / backward /
+AdamW from CUDA events, and how far into the step the host finished launching each) and the
+garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
+fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass).
+
 ``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
 fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
 in the JSON; ``--trace DIR`` also writes Chrome traces there.
