@@ -23,7 +23,9 @@ Stacks (each in its own process: Liger and Unsloth patch transformers' modules g
             saves the random bf16 model (with a tiny tokenizer) to ``--ckpt-dir`` (16 GB, reused
             when present). Optional: a row says so when unsloth does not import.
 
-Columns: median ms per step over ``--steps`` (5) after ``--warmup`` (2), tokens/s, peak GPU memory
+Columns: median ms per step over ``--steps`` (5) after ``--warmup`` (2), each step timed alone
+(synchronised before and after), tokens/s (and, in parentheses, tokens/s of as many steps run back
+to back with one synchronisation at the end, as a training loop runs them), peak GPU memory
 allocated over the timed steps (weights, adapters, AdamW states and activations; Unsloth and
 fasttune "offload" also hold pinned host memory), and the loss of the first step (adapters' B
 starts at 0, so every stack computes the same function there: a sanity check across stacks).
@@ -221,6 +223,7 @@ class Step:
         self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused or None)
 
         self.phases: list[list] | None = None  # per step: CUDA events and host times at the phase starts
+        self.clocks: list = []  # per step: (SM clock MHz, power W) from NVML when its launches were done
 
     def __call__(self) -> torch.Tensor:
         from torch.profiler import record_function  # phase names in profiles (no cost otherwise)
@@ -239,6 +242,7 @@ class Step:
         self._mark(marks)
         if marks is not None:
             self.phases.append(marks)
+            self.clocks.append(_sm_clock_mhz())
         return loss.detach()
 
     @staticmethod
@@ -253,14 +257,24 @@ class Step:
         """Per timed step: GPU ms of forward / backward / optimizer (CUDA events) and the host ms
         from the step's start to each phase's launch being done (how far the host ran ahead)."""
         out = []
-        for marks in self.phases or []:
+        for marks, clock in zip(self.phases or [], self.clocks):
             if len(marks) != 4:  # no CUDA: no events
                 continue
             (e0, h0), (e1, h1), (e2, h2), (e3, h3) = marks
             out.append(dict(gpu=[round(e0.elapsed_time(e1), 1), round(e1.elapsed_time(e2), 1),
                                  round(e2.elapsed_time(e3), 1)],
-                            host=[round((h1 - h0) * 1e3, 1), round((h2 - h0) * 1e3, 1), round((h3 - h0) * 1e3, 1)]))
+                            host=[round((h1 - h0) * 1e3, 1), round((h2 - h0) * 1e3, 1), round((h3 - h0) * 1e3, 1)],
+                            sm_clock_mhz_power_w=clock))
         return out
+
+
+def _sm_clock_mhz() -> tuple[int, int] | None:
+    """(SM clock MHz, power draw W) of the GPU now, through NVML (None without CUDA or NVML):
+    a power-capped GPU shows its throttling here."""
+    try:
+        return (torch.cuda.clock_rate(), torch.cuda.power_draw() // 1000) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - pynvml missing or NVML unavailable
+        return None
 
 
 def sync() -> None:
@@ -283,22 +297,32 @@ def measure(step: Step, tokens: int, warmup: int, steps: int, gc_mode: str = "on
         gc.disable()
     collections0 = [g["collections"] for g in gc.get_stats()]
     times = []
-    step.phases = []
+    step.phases, step.clocks = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - t0)
     collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections0)]
-    gc.enable()
-    gc.unfreeze()
     phases = step.phase_ms()
     step.phases = None
+    # The same number of steps back to back, one sync at the end, as a training loop runs them
+    # (Trainer does not wait for the GPU between steps): the host prepares the next step while the
+    # GPU finishes the last one, so the per-step launch lag at the start of forward is hidden.
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    pipelined_ms = (time.perf_counter() - t0) / max(steps, 1) * 1e3
+    gc.enable()
+    gc.unfreeze()
     ms = statistics.median(times) * 1e3
     peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
     return dict(ms=round(ms, 1), tokens_per_s=round(tokens / (ms / 1e3)), peak_gib=round(peak, 2),
                 loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times],
-                gc=gc_mode, gc_collections=collections, phases=phases)
+                gc=gc_mode, gc_collections=collections, phases=phases,
+                ms_back_to_back=round(pipelined_ms, 1), tokens_per_s_back_to_back=round(tokens / (pipelined_ms / 1e3)))
 
 
 def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> str:
@@ -339,6 +363,24 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
             + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
     return (head + "\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
             + "\n" + gemm_table(prof) + "\n\n" + gaps)
+
+
+def host_profile(step: Step, rows: int = 35) -> str:
+    """cProfile of one step's host side (Python and the time spent inside torch calls), by own time:
+    where a host-bound step's GPU waits come from."""
+    import cProfile
+    import io
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    sync()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return "\n".join(line[:200] for line in out.getvalue().splitlines())
 
 
 def gemm_table(prof, rows: int = 30) -> str:
@@ -416,6 +458,9 @@ def worker(stack: str, args) -> None:
                         log(f"    {row['auto']}")
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
+                if stack in args.host_profile:
+                    row["host_profile"] = host_profile(step)
+                    log(row["host_profile"])
             except torch.OutOfMemoryError:
                 row["error"] = "out of memory"
             except Exception as err:  # noqa: BLE001
@@ -444,7 +489,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing, "--ckpt-dir", args.ckpt_dir or "",
            "--auto-budget-gib", str(args.auto_budget_gib),
-           "--profile", ",".join(args.profile)] + (["--trace", args.trace] if args.trace else []) \
+           "--profile", ",".join(args.profile), "--host-profile", ",".join(args.host_profile)] \
+        + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + ["--gc", args.gc]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
@@ -474,7 +520,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
 def fmt_row(r: dict) -> str:
     if "error" in r:
         return f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['error']} | | | |"
-    return (f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['ms']:.0f} | {r['tokens_per_s']:,} "
+    b2b = f" (back to back {r['tokens_per_s_back_to_back']:,})" if "tokens_per_s_back_to_back" in r else ""
+    return (f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['ms']:.0f} | {r['tokens_per_s']:,}{b2b} "
             f"| {r['peak_gib']} | {r['loss_step1']} |")
 
 
@@ -537,6 +584,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", nargs="?", const="fasttune", default="",
                    help="profile one extra step of these stacks (default when given: fasttune)")
     p.add_argument("--trace", help="also write Chrome traces of the profiled steps to this directory")
+    p.add_argument("--host-profile", default="", help="cProfile one extra step of these stacks (host time by function)")
     p.add_argument("--budget-s", type=float, default=460.0, help="seconds for the whole run (workers stop after)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
@@ -547,9 +595,10 @@ def parse_args(argv=None):
     args.weights = [w for w in args.weights.split(",") if w]
     args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
     args.profile = [s for s in args.profile.split(",") if s]
+    args.host_profile = [s for s in args.host_profile.split(",") if s]
     if args.ckpt_dir is None:
         args.ckpt_dir = f"/tmp/fasttune_bench_step_{'smoke' if args.smoke else 'llama8b'}"
-    bad = sorted(set(args.all_stacks + args.profile) - set(STACKS)) + sorted(set(args.weights) - set(WEIGHTS))
+    bad = sorted(set(args.all_stacks + args.profile + args.host_profile) - set(STACKS)) + sorted(set(args.weights) - set(WEIGHTS))
     if bad:
         p.error(f"unknown stack/weights {bad}")
     if args.smoke and args.shapes == [(4, 2048), (1, 8192)]:

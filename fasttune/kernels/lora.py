@@ -204,10 +204,16 @@ def _stack_a(adapters, dt):
     return torch.cat(a_list) if len(a_list) > 1 else (a_list[0] if a_list else None)
 
 
-def stacked_xa(x2: torch.Tensor, adapters) -> torch.Tensor | None:
-    """XA = X [A_p; ...]ᵀ for the projections p of one input that have an adapter (one product)."""
+def _scaled_(t: torch.Tensor, s: float) -> torch.Tensor:
+    """t·s in place; no kernel at all for PEFT's common s = 1 (alpha = r): x·1 is x, bit for bit."""
+    return t if s == 1 else t.mul_(s)
+
+
+def stacked_xa(x2: torch.Tensor, adapters) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(XA, [A_p; ...]): XA = X [A_p; ...]ᵀ for the projections p of one input that have an adapter
+    (one product), and the stacked A in x's dtype, which backward reuses instead of casting again."""
     a = _stack_a(adapters, x2.dtype)
-    return None if a is None else x2 @ a.t()
+    return (None, None) if a is None else (x2 @ a.t(), a)
 
 
 def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
@@ -235,12 +241,15 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
     return ys
 
 
-def adapter_dyb(dys, adapters) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dYB = [s_p dY_p B_p]_p stacked by columns [N, Σr], and the matching stacked [A_p] [Σr, in]."""
-    parts = [torch.mm(dy, ad[1].to(dy.dtype)).mul_(ad[2]) for dy, ad in zip(dys, adapters) if ad is not None]
+def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dYB = [s_p dY_p B_p]_p stacked by columns [N, Σr], and the matching stacked [A_p] [Σr, in]
+    (``a_stacked`` when the forward kept it, else cast and stacked here)."""
+    parts = [_scaled_(torch.mm(dy, ad[1].to(dy.dtype)), ad[2]) for dy, ad in zip(dys, adapters) if ad is not None]
     if not parts:
         return None, None
-    return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]), _stack_a(adapters, dys[0].dtype)
+    if a_stacked is None:
+        a_stacked = _stack_a(adapters, dys[0].dtype)
+    return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]), a_stacked
 
 
 def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | None, scratch) -> torch.Tensor:
@@ -267,15 +276,16 @@ def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
         if need_a[p]:
             da[p] = grad_as(da_all[col:col + r], a)
         if need_b[p]:
-            db[p] = grad_as(torch.mm(dys[p].t(), xa[:, col:col + r]).mul_(s), b)
+            db[p] = grad_as(_scaled_(torch.mm(dys[p].t(), xa[:, col:col + r]), s), b)
         col += r
     return da, db
 
 
-def group_backward(x2, dys, xa, bases, adapters, need, scratch):
-    """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's)."""
+def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None):
+    """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's);
+    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None."""
     need_x, need_a, need_b = need
-    dyb, a_stacked = adapter_dyb(dys, adapters) if (need_x or any(need_a)) else (None, None)
+    dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked) if (need_x or any(need_a)) else (None, None)
     dx = grad_input(dys, bases, dyb, a_stacked, scratch) if need_x else None
     da, db = adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b)
     return dx, da, db
@@ -289,7 +299,7 @@ class LoRALinearFunction(torch.autograd.Function):
         out_f, in_f = base.shape
         x2 = x.reshape(-1, in_f)
         adapters = adapters_of((lora_a, lora_b), (scaling,))
-        xa = stacked_xa(x2, adapters)
+        xa, ctx.a_stacked = stacked_xa(x2, adapters)
         (y,) = project(x2, (base,), adapters, xa, None)
         ctx.save_for_backward(x, xa, lora_a, lora_b)
         ctx.base, ctx.scaling = base, scaling
@@ -303,7 +313,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, base.shape[1]), dy.reshape(-1, base.shape[0])
         need = ctx.needs_input_grad
         dx, (da,), (db,) = group_backward(x2, (dy2,), xa, (base,), adapters_of((lora_a, lora_b), (ctx.scaling,)),
-                                          (need[0], need[1:2], need[2:3]), None)
+                                          (need[0], need[1:2], need[2:3]), None, ctx.a_stacked)
         return (None if dx is None else dx.view(x.shape)), da, db, None, None
 
 
@@ -351,7 +361,7 @@ class LoRAQKVFunction(torch.autograd.Function):
     def forward(ctx, x, aq, bq, ak, bk, av, bv, bases, scalings):
         x2 = x.reshape(-1, bases[0].shape[1])
         adapters = adapters_of((aq, bq, ak, bk, av, bv), scalings)
-        xa = stacked_xa(x2, adapters)
+        xa, ctx.a_stacked = stacked_xa(x2, adapters)
         ys = project(x2, bases, adapters, xa, scratch_for(bases, x.dtype, x.device))
         ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv)
         ctx.bases, ctx.scalings = bases, scalings
@@ -367,7 +377,7 @@ class LoRAQKVFunction(torch.autograd.Function):
         dys = [g.reshape(-1, base.shape[0]) for g, base in zip((dq, dk, dv), bases)]
         scratch = scratch_for(bases, x.dtype, x.device) if need[0] else None
         dx, da, db = group_backward(x2, dys, xa, bases, adapters_of(ab, ctx.scalings),
-                                    (need[0], need[1:7:2], need[2:7:2]), scratch)
+                                    (need[0], need[1:7:2], need[2:7:2]), scratch, ctx.a_stacked)
         grads = [g for pair in zip(da, db) for g in pair]
         return (None if dx is None else dx.view(x.shape), *grads, None, None)
 

@@ -149,7 +149,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         x2 = x.reshape(-1, gate.shape[1])
         scratch = scratch_for(bases, x.dtype, x.device)
         gu_adapters = adapters_of((ag, bg, au, bu), scalings[:2])
-        xa = stacked_xa(x2, gu_adapters)
+        xa, ctx.a_gu = stacked_xa(x2, gu_adapters)
         g, u = project(x2, (gate, up), gu_adapters, xa, scratch)
         d_adapters = adapters_of((ad, bd), scalings[2:])
         # A widened down projection (lora_wide.py) reads H from the first columns of its widened
@@ -158,7 +158,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         if not output_unused and wide_columns((down,), d_adapters, x.dtype) is not None:
             hcat = x2.new_empty((x2.shape[0], g.shape[1] + down.wide.extra))
         h = glu_forward(g, u, act, out=None if hcat is None else hcat[:, : g.shape[1]])
-        ha = stacked_xa(h, d_adapters)
+        ha, ctx.a_d = stacked_xa(h, d_adapters)
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
             y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
         else:
@@ -181,7 +181,7 @@ class LoRAMLPFunction(torch.autograd.Function):
 
         # Down projection: dH = dYB_d A_d + dY W_d; H is recomputed over dH only if dA_d needs it.
         d_adapters = adapters_of((ad, bd), ctx.scalings[2:])
-        dyb_d, a_d = adapter_dyb((dy2,), d_adapters)
+        dyb_d, a_d = adapter_dyb((dy2,), d_adapters, ctx.a_d)
         dh = grad_input((dy2,), (down,), dyb_d, a_d, scratch)
         glu_backward_(g, u, dh, ctx.act, store_h=ad is not None and need[5])  # g ← dG, u ← dU, dh ← H
         (da_d,), (db_d,) = adapter_grads(dh, (dy2,), ha, dyb_d, d_adapters, need[5:6], need[6:7])
@@ -189,7 +189,7 @@ class LoRAMLPFunction(torch.autograd.Function):
 
         # Gate and up share X: dX = [dYB_g dYB_u] [A_g; A_u] + dG W_g + dU W_u.
         dx, da, db = group_backward(x2, (g, u), xa, (gate, up), adapters_of((ag, bg, au, bu), ctx.scalings[:2]),
-                                    (need[0], need[1:5:2], need[2:5:2]), scratch)
+                                    (need[0], need[1:5:2], need[2:5:2]), scratch, ctx.a_gu)
         return (None if dx is None else dx.view(x.shape), da[0], db[0], da[1], db[1], da_d, db_d,
                 None, None, None, None)
 

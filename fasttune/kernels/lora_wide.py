@@ -132,9 +132,13 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
     xcat = widened_input(x2, extra, xcat)
     tail = xcat[:, in_f:]
     used = 0 if xa is None else xa.shape[1]
-    for ad, col in zip(adapters, cols):
-        if ad is not None:
-            torch.mul(xa[:, col:col + ad[0].shape[0]], ad[2], out=tail[:, col:col + ad[0].shape[0]])
+    scales = {ad[2] for ad in adapters if ad is not None}
+    if len(scales) == 1:  # one launch for the whole group (PEFT gives every adapter the same alpha / r)
+        torch.mul(xa, scales.pop(), out=tail[:, :used])
+    else:
+        for ad, col in zip(adapters, cols):
+            if ad is not None:
+                torch.mul(xa[:, col:col + ad[0].shape[0]], ad[2], out=tail[:, col:col + ad[0].shape[0]])
     if used < extra:
         tail[:, used:].zero_()
     ys = []
