@@ -242,7 +242,7 @@ class Step:
         self._mark(marks)
         if marks is not None:
             self.phases.append(marks)
-            self.clocks.append(_sm_clock_mhz())
+            self.clocks.append(_clock_and_power())
         return loss.detach()
 
     @staticmethod
@@ -268,7 +268,7 @@ class Step:
         return out
 
 
-def _sm_clock_mhz() -> tuple[int, int] | None:
+def _clock_and_power() -> tuple[int, int] | None:
     """(SM clock MHz, power draw W) of the GPU now, through NVML (None without CUDA or NVML):
     a power-capped GPU shows its throttling here."""
     try:
