@@ -90,7 +90,7 @@ def wide_columns(bases, adapters, dtype: torch.dtype) -> list[int | None] | None
     """Each projection's first tail column (None where it has no adapter), or None when the group
     cannot run widened: a base without a ``WideWeight``, a buffer of another dtype, unequal tail
     widths, or more rank columns than the tail holds."""
-    widths = {getattr(base, "wide", None) and (base.wide.extra, base.wide.buf.dtype) for base in bases}
+    widths = {base.wide and (base.wide.extra, base.wide.buf.dtype) for base in bases}
     if len(widths) != 1 or None in widths:
         return None
     ((extra, buf_dtype),) = widths

@@ -135,7 +135,7 @@ def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
     if not torch.is_grad_enabled() and any(spec[0].is_nf4 for spec in specs):
         return "NF4 inference (no autograd): bitsandbytes' own 4-bit kernels"
     autocast = x.device.type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(x.device.type)
-    x_dtype = compute_dtype(x)
+    x_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     for name, spec in zip(names, specs):
         base, a, _, _ = spec
         tensors = (base.weight, base.bias, a)
