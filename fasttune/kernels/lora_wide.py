@@ -9,10 +9,11 @@ Appending the rank columns to the contraction puts it inside the base product:
 
 for the projections p of one input X (q/k/v, or gate/up), where projection p owns tail columns
 [c_p, c_p + r_p) (c_p = the ranks of the adapters before it) and R ≥ Σ r_p (model_patches pads it to
-``TAIL_MULTIPLE`` columns; the unused ones are zero on both sides). The price: one copy
-of X into the widened input, shared by the group (none for the down projection, whose input the
-GLU kernel writes there directly), and R more multiply-adds per output. Backward is unchanged
-(``lora.group_backward`` on the W columns).
+``TAIL_MULTIPLE`` columns; the unused ones are zero on both sides). The price: R more multiply-adds
+per output, and a copy of X into the widened input unless X's producer wrote it there: the GLU
+kernel writes H into the down projection's, and the RMSNorm kernel leaves spare columns after
+its rows on request (``spare_columns.py``), so X from a patched norm is not copied from the
+second call on. Backward is unchanged (``lora.group_backward`` on the W columns).
 
 The weight side is never copied per call: a ``WideWeight`` owns a buffer [out, in + R] whose first
 ``in`` columns are the frozen base weight itself (the parameter is re-homed as a view of them,
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .spare_columns import spare_input
 
 __all__ = ["WideWeight", "wide_columns", "widened_input", "project_wide", "TAIL_MULTIPLE"]
 
@@ -123,12 +126,15 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
         adapters: per projection (A, B, s) or None, in the column order of ``xa``.
         xa: X [A_p; …]ᵀ [N, Σ r_p] over the projections with an adapter, or None.
         cols: ``wide_columns(bases, adapters, dtype)``.
-        xcat: a [N, in + R] buffer already holding X in its first ``in`` columns, or None.
+        xcat: a [N, in + R] buffer already holding X in its first ``in`` columns, or None (then
+            X's own spare columns, ``spare_columns.spare_input``, or a copy of X).
     """
     dt, in_f = x2.dtype, x2.shape[1]
     extra = bases[0].wide.extra
     if xcat is not None and tuple(xcat.shape) != (x2.shape[0], in_f + extra):
         xcat = None  # a buffer for another tail width: copy X into a fitting one
+    if xcat is None:  # X written by a producer that left spare columns after it (the RMSNorm kernel)
+        xcat = spare_input(x2, extra)
     xcat = widened_input(x2, extra, xcat)
     tail = xcat[:, in_f:]
     used = 0 if xa is None else xa.shape[1]

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from fasttune.kernels import reference
 from fasttune.kernels._backend import check_float, check_same_device, use_triton
+from fasttune.kernels.spare_columns import SpareColumns, output_rows
 
 __all__ = ["rms_norm", "rms_norm_add", "RMSNormFunction", "RMSNormAddFunction"]
 
@@ -263,14 +264,15 @@ def _bwd_programs(device: torch.device, n_row_blocks: int, programs_per_sm: int)
     return max(1, min(n_row_blocks, 2))  # interpreter: two programs, each looping over rows
 
 
-def _fwd(x, residual, weight, eps, offset, casting):
+def _fwd(x, residual, weight, eps, offset, casting, spare=None):
     n_cols = x.shape[-1]
     weight = weight.contiguous()
     x2 = _as_rows(x, n_cols)
     res2 = _as_rows(residual, n_cols) if residual is not None else None
     n_rows = x2.shape[0]
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    # Rows of y may be longer than H: spare columns a widened LoRA group fills (spare_columns.py).
+    y, y_row = output_rows(x.shape, out_dtype, x.device, spare)
     s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
@@ -282,12 +284,11 @@ def _fwd(x, residual, weight, eps, offset, casting):
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
             x2, res2, weight, y, s, rstd,
             n_rows, n_cols, eps, offset,
-            x2.stride(0), res2.stride(0) if res2 is not None else 0, y.stride(0),
+            x2.stride(0), res2.stride(0) if res2 is not None else 0, y_row,
             s.stride(0) if s is not None else 0,
             BLOCK_ROWS=block_rows, BLOCK_H=block_h, HAS_RES=residual is not None,
             LLAMA=casting == "llama", SINGLE_TILE=single, num_warps=_num_warps(block_rows * block_h),
         )
-    y = y.view(x.shape)
     return y, (s.view(x.shape) if s is not None else None), rstd
 
 
@@ -350,8 +351,8 @@ class RMSNormFunction(torch.autograd.Function):
     """y = rms_norm(x, weight); saves x and r, returns dx and dw."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting):
-        y, _, rstd = _fwd(x, None, weight, eps, offset, casting)
+    def forward(ctx, x, weight, eps, offset, casting, spare=None):
+        y, _, rstd = _fwd(x, None, weight, eps, offset, casting, spare)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset, ctx.casting = offset, casting
         ctx.set_materialize_grads(False)
@@ -362,7 +363,7 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = _bwd(dy, None, x, weight, rstd, ctx.offset, ctx.casting, need_dx, need_dw)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class RMSNormAddFunction(torch.autograd.Function):
@@ -412,7 +413,7 @@ def _check(x, weight, eps, casting, residual=None):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
-             casting: str = "llama") -> torch.Tensor:
+             casting: str = "llama", spare: SpareColumns | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension, the same function as ``reference.rms_norm``.
 
     Args:
@@ -422,14 +423,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float
         offset: added to the weight (1.0 for Gemma's ``1 + w``).
         casting: "llama" (round x̂ to x's dtype, then scale; output promote(x, w)) or "gemma"
             (scale in fp32, round once to x's dtype).
+        spare: the caller's ``spare_columns.SpareColumns``: the output's rows are then that many
+            columns longer than H (not part of the output; a widened LoRA group fills them).
 
     Returns:
-        The normalised tensor, shape of x.
+        The normalised tensor, shape of x (rows ``spare.width`` elements apart).
     """
     _check(x, weight, eps, casting)
+    if spare is not None and not isinstance(spare, SpareColumns):
+        raise TypeError(f"spare must be a SpareColumns or None, got {type(spare).__name__}")
     if not use_triton(x, weight):
         return reference.rms_norm(x, weight, eps, offset=offset, casting=casting)
-    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting, spare)
 
 
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -6,6 +6,10 @@ q/k norms of Qwen3, Gemma 3 and OLMo2) gets a ``FastRMSNormForward`` computing
 function as the stock forward (``kernels/reference.py`` documents both castings). Modules that do
 not look like the row expects (no 1-D weight, no epsilon attribute, a forward taking other
 arguments) stay stock and are reported, as are norm-named children of another class.
+
+Each patched norm owns a ``SpareColumns`` (``kernels/spare_columns.py``): a widened LoRA group
+reading its output asks for tail columns, and the norm's later outputs carry them, so the group
+finds X already in place in its widened input instead of copying it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import FastConfig
+from ..kernels.spare_columns import SpareColumns
 from .families import FamilySpec
 from .instance import PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .report import PatchReport
@@ -32,6 +37,7 @@ class FastRMSNormForward(PatchedForward):
         eps_attr: the module attribute holding epsilon (read at each call, like the stock forward).
         offset: 1.0 where the norm scales by (1 + weight) (Gemma), else 0.0.
         casting: "llama" or "gemma" (see ``kernels.reference.rms_norm``).
+        spare: the spare columns the norm's consumers asked for (module docstring).
     """
 
     op = OP
@@ -41,6 +47,7 @@ class FastRMSNormForward(PatchedForward):
         self.eps_attr = eps_attr
         self.offset = offset
         self.casting = casting
+        self.spare = SpareColumns()
 
     def __call__(self, *args, **kwargs):
         x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
@@ -53,7 +60,7 @@ class FastRMSNormForward(PatchedForward):
         from ..kernels.rms_norm import rms_norm  # the submodule: `kernels.rms_norm` is also a module name
 
         eps = getattr(self.module, self.eps_attr)
-        return rms_norm(x, weight, eps, offset=self.offset, casting=self.casting)
+        return rms_norm(x, weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
 
 
 def check_norm(module: nn.Module, spec: FamilySpec) -> str | None:

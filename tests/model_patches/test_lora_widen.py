@@ -181,3 +181,36 @@ def test_reference_pass_probes_widening_once_per_hook(device, monkeypatch):
     mlp0 = model.base_model.model.model.layers[0].mlp
     assert wide_of(mlp0.gate_proj.base_layer, mlp0.gate_proj.base_layer.weight) is not None  # MLP widened
     assert all(WIDE_ATTR not in p.base_layer.__dict__ for p in qkv(model))
+
+
+def test_norms_leave_spare_columns_for_the_widened_groups(device, monkeypatch):
+    """After the first step the decoder norms write their rows TAIL_MULTIPLE columns apart and the
+    q/k/v and gate/up groups take X from there instead of copying it (the final norm, read by the
+    loss head, is never asked); every step still trains like PEFT."""
+    from fasttune.kernels import lora_wide
+
+    stock = lora_model(device, seed=13)
+    fast = copy.deepcopy(stock)
+    patch_model(fast, FastConfig())
+    taken = []
+    original = lora_wide.spare_input
+    monkeypatch.setattr(lora_wide, "spare_input", lambda x2, extra: taken.append(original(x2, extra) is not None)
+                        or original(x2, extra))
+    layers = fast.base_model.model.model.layers
+    opt_fast = torch.optim.SGD([p for p in fast.parameters() if p.requires_grad], lr=0.1)
+    opt_stock = torch.optim.SGD([p for p in stock.parameters() if p.requires_grad], lr=0.1)
+    for step in range(3):
+        batch = make_batch(VOCAB, seed=14 + step, device=device)
+        for m in (fast, stock):
+            m.train()
+            m.zero_grad(set_to_none=True)
+        loss_fast, loss_stock = fast(**batch).loss, stock(**batch).loss
+        loss_fast.backward(), loss_stock.backward()
+        assert rel_err(loss_fast.detach(), loss_stock.detach()) <= 1e-6, step
+        assert_grads_close(fast, stock, 1e-5)
+        opt_fast.step(), opt_stock.step()
+    assert taken == [False] * 4 + [True] * 8  # 2 layers × (q/k/v, gate/up): copied once, then in place
+    for layer in layers:
+        assert layer.input_layernorm.forward.spare.width == TAIL_MULTIPLE
+        assert layer.post_attention_layernorm.forward.spare.width == TAIL_MULTIPLE
+    assert fast.base_model.model.model.norm.forward.spare.width == 0

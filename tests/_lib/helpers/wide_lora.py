@@ -1,0 +1,70 @@
+"""Widened LoRA projection specs and their float64 check, shared by the lora_wide and spare-column tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fasttune.kernels.lora import BaseWeight
+from fasttune.kernels.lora_wide import WideWeight
+from helpers.compare import check_fp32, check_lowp
+
+
+def widened(w: torch.Tensor, extra: int, bias=None) -> BaseWeight:
+    buf = torch.zeros(w.shape[0], w.shape[1] + extra, dtype=w.dtype, device=w.device)
+    buf[:, : w.shape[1]].copy_(w)
+    wide = WideWeight(buf, w.shape[1])
+    return BaseWeight(wide.weight_view(), None, bias, wide)
+
+
+def spec(out_f, in_f, r, dtype, device, seed, extra=None, bias=False):
+    """((widened base, A, B, s), dense W, bias): B random, so the rank-r term shows."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype)
+    b = (torch.randn(out_f, generator=g) * 0.1).to(device, dtype) if bias else None
+    base = widened(w, extra, b) if extra else BaseWeight(w, None, b)
+    if r == 0:
+        return (base, None, None, 0.0), w, b
+    a = (torch.randn(r, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype).requires_grad_()
+    bb = (torch.randn(out_f, r, generator=g) / math.sqrt(r)).to(device, dtype).requires_grad_()
+    return (base, a, bb, 0.5 + seed % 3 * 0.5), w, b
+
+
+def ref_outputs(x, parts, dtype):
+    """Each projection X Wᵀ + b + s·X Aᵀ Bᵀ in ``dtype`` (float64 autograd leaves), and the leaves."""
+    xl = x.detach().to(dtype).requires_grad_()
+    leaves, outs = [xl], []
+    for (_, a, b, s), w, bias in parts:
+        al = None if a is None else a.detach().to(dtype).requires_grad_()
+        bl = None if b is None else b.detach().to(dtype).requires_grad_()
+        leaves += [t for t in (al, bl) if t is not None]
+        y = xl @ w.to(dtype).t() + (0 if bias is None else bias.to(dtype))
+        outs.append(y if a is None else y + s * (xl @ al.t()) @ bl.t())
+    return outs, leaves
+
+
+def assert_close(got, ref64, same, name):
+    """fp32 (``same`` None): relative error ≤ 1e-5; else the 2×-torch rule in norm (helpers.compare)."""
+    if same is None:
+        check_fp32(got.double(), ref64, name)
+    else:
+        check_lowp(got, same, ref64, got.dtype, name)
+
+
+def check(fn, x, parts, dtype):
+    outs = fn(x, [p[0] for p in parts])
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    dys = [torch.randn_like(o) for o in outs]
+    params = [x] + [t for (_, a, b, _), _, _ in parts for t in (a, b) if t is not None]
+    got = torch.autograd.grad(outs, params, dys)
+    want = {}
+    for rdt in (torch.float64, dtype) if dtype != torch.float32 else (torch.float64,):
+        r_outs, leaves = ref_outputs(x, parts, rdt)
+        want[rdt] = (r_outs, torch.autograd.grad(r_outs, leaves, [d.to(rdt) for d in dys]))
+    same = want.get(dtype) if dtype != torch.float32 else None
+    for i, o in enumerate(outs):
+        assert o.dtype == dtype
+        assert_close(o, want[torch.float64][0][i], None if same is None else same[0][i], f"output {i}")
+    for i, g in enumerate(got):
+        assert_close(g, want[torch.float64][1][i], None if same is None else same[1][i], f"grad {i}")
