@@ -41,6 +41,17 @@ def qkv(model, i=0):
     return [a.q_proj, a.k_proj, a.v_proj]
 
 
+def step_like_peft(fast, stock, batch, what) -> None:
+    """One forward and backward of both models: same loss, same gradient of every adapter."""
+    for m in (fast, stock):
+        m.train()
+        m.zero_grad(set_to_none=True)
+    loss_fast, loss_stock = fast(**batch).loss, stock(**batch).loss
+    loss_fast.backward(), loss_stock.backward()
+    assert rel_err(loss_fast.detach(), loss_stock.detach()) <= 1e-6, what
+    assert_grads_close(fast, stock, 1e-5)
+
+
 def test_widen_group_keeps_parameters_and_values(device):
     model = lora_model(device)
     projections = qkv(model)
@@ -85,13 +96,7 @@ def test_patched_model_trains_like_peft_and_unpatches(device):
     patch_model(fast, FastConfig())
     assert not any(WIDE_ATTR in m.__dict__ for m in fast.modules())  # nothing moves before a call
     batch = make_batch(VOCAB, seed=4, device=device)
-    for m in (fast, stock):
-        m.train()
-        m.zero_grad(set_to_none=True)
-    loss_fast, loss_stock = fast(**batch).loss, stock(**batch).loss
-    loss_fast.backward(), loss_stock.backward()
-    assert rel_err(loss_fast.detach(), loss_stock.detach()) <= 1e-6
-    assert_grads_close(fast, stock, 1e-5)
+    step_like_peft(fast, stock, batch, "step 1")
     widened = [n for n, m in fast.named_modules() if WIDE_ATTR in m.__dict__]
     assert len(widened) == 2 * 6 and not any("o_proj" in n for n in widened), widened  # q k v gate up down
     unpatch_model(fast)
@@ -145,13 +150,7 @@ def test_switching_to_a_larger_adapter_rewidens_once(device):
     q = qkv(fast)[0].base_layer
     for name, tail in (("default", TAIL_MULTIPLE), ("big", 3 * TAIL_MULTIPLE), ("default", 3 * TAIL_MULTIPLE)):
         fast.set_adapter(name), stock.set_adapter(name)
-        for m in (fast, stock):
-            m.train()
-            m.zero_grad(set_to_none=True)
-        loss_fast, loss_stock = fast(**batch).loss, stock(**batch).loss
-        loss_fast.backward(), loss_stock.backward()
-        assert rel_err(loss_fast.detach(), loss_stock.detach()) <= 1e-6, name
-        assert_grads_close(fast, stock, 1e-5)
+        step_like_peft(fast, stock, batch, name)
         assert wide_of(q, q.weight).extra == tail, name  # 3 × 48 = 144 rank columns → 192
 
 
@@ -200,14 +199,7 @@ def test_norms_leave_spare_columns_for_the_widened_groups(device, monkeypatch):
     opt_fast = torch.optim.SGD([p for p in fast.parameters() if p.requires_grad], lr=0.1)
     opt_stock = torch.optim.SGD([p for p in stock.parameters() if p.requires_grad], lr=0.1)
     for step in range(3):
-        batch = make_batch(VOCAB, seed=14 + step, device=device)
-        for m in (fast, stock):
-            m.train()
-            m.zero_grad(set_to_none=True)
-        loss_fast, loss_stock = fast(**batch).loss, stock(**batch).loss
-        loss_fast.backward(), loss_stock.backward()
-        assert rel_err(loss_fast.detach(), loss_stock.detach()) <= 1e-6, step
-        assert_grads_close(fast, stock, 1e-5)
+        step_like_peft(fast, stock, make_batch(VOCAB, seed=14 + step, device=device), step)
         opt_fast.step(), opt_stock.step()
     assert taken == [False] * 4 + [True] * 8  # 2 layers × (q/k/v, gate/up): copied once, then in place
     for layer in layers:
