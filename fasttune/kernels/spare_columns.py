@@ -56,14 +56,6 @@ def storage_alias(t: torch.Tensor, shape, strides, offset: int | None = None) ->
     return t.new_empty(0).set_(t.untyped_storage(), offset, tuple(shape), tuple(strides))
 
 
-def _row_major_strides(shape) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
-
-
 def output_rows(shape, dtype: torch.dtype, device, spare: SpareColumns | None) -> tuple[torch.Tensor, int]:
     """(output of ``shape``, row length): rows ``spare.width`` elements longer than ``shape[-1]``
     (none without ``spare``), the output tagged for ``spare_input``. The caller writes row i of the
@@ -75,7 +67,7 @@ def output_rows(shape, dtype: torch.dtype, device, spare: SpareColumns | None) -
     if width == 0:
         out = buf
     else:
-        out = storage_alias(buf, shape, _row_major_strides((*shape[:-1], row))[:-1] + [1], 0)
+        out = storage_alias(buf, shape, buf.stride(), 0)  # the buffer's own row-major strides
     if spare is not None:
         setattr(out, _TAG, (spare, row))
     return out, row
