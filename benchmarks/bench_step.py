@@ -33,7 +33,8 @@ starts at 0, so every stack computes the same function there: a sanity check acr
 The JSON rows also carry each timed step's ms, per-step phases (GPU ms of forward / backward /
 AdamW from CUDA events, and how far into the step the host finished launching each) and the
 garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
-fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass).
+fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
+``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels).
 
 ``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
 fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
@@ -183,7 +184,8 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         from fasttune import FastConfig, patch_model
 
         mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto"}.get(stack, args.checkpointing)
-        report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen))
+        report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen,
+                                               residual_norms=not args.no_residual_norms))
         log("    " + str(report).replace("\n", "\n    "))
         n = shape["num_hidden_layers"]
         missing = [op for op in ("lora_qkv", "lora_o", "lora_mlp") if report.patched[op] != n]
@@ -492,6 +494,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
            "--profile", ",".join(args.profile), "--host-profile", ",".join(args.host_profile)] \
         + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
+        + (["--no-residual-norms"] if args.no_residual_norms else []) \
         + ["--gc", args.gc]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
@@ -575,6 +578,8 @@ def parse_args(argv=None):
                    help="GPU memory the fasttune-auto process may use (weights included)")
     p.add_argument("--no-lora-widen", action="store_true",
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
+    p.add_argument("--no-residual-norms", action="store_true",
+                   help="fasttune stacks with FastConfig(residual_norms=False): the residual adds as their own kernels")
     p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
                    help="Python's garbage collector during the timed steps: on; freeze (gc.freeze() after the "
                         "warm-up: the model's objects leave the generations it scans); off")

@@ -39,7 +39,7 @@ job() {  # job NAME GPU
                 env $env timeout 60 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/kernels/test_lora_glu.py \
                 tests/kernels/test_lora.py tests/kernels/test_lora_wide.py tests/kernels/test_spare_columns.py \
                 tests/kernels/test_rms_norm.py tests/model_patches/test_lora_widen.py \
-                tests/model_patches/test_checkpointing.py ;;
+                tests/model_patches/test_checkpointing.py tests/model_patches/test_residual.py ;;
         generate) env $env timeout "${GENERATE_S:-110}" bash -c "python3 benchmarks/bench_generate.py --new-tokens 64 --repeats 2 \
                 --out $out/generate.json; python3 benchmarks/bench_generate.py --lora --new-tokens 64 --repeats 2 \
                 --out $out/generate_lora.json" ;;

@@ -31,6 +31,10 @@ class FastConfig:
     cross_entropy: bool = field(default=True, metadata={
         "help": "Compute the causal-LM loss with the fused linear cross-entropy (logits never materialised)."})
     rms_norm: bool = field(default=True, metadata={"help": "Triton RMSNorm (forward + hand-written backward)."})
+    residual_norms: bool = field(default=True, metadata={
+        "help": "With the Triton RMSNorm, in pre-norm decoder layers (Llama, Mistral, Qwen 2/3, Gemma): the "
+                "attention's residual add runs inside the norm after it, and each norm's backward adds the "
+                "residual stream's gradient (no separate add kernels; same forward values)."})
     rope: bool = field(default=True, metadata={"help": "Triton rotary embedding applied to Q and K in one launch."})
     mlp: bool = field(default=True, metadata={"help": "Triton SwiGLU/GeGLU activation in the gated MLP."})
     lora: bool = field(default=True, metadata={

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import check_float, check_same_device
-from .lora_wide import project_wide, wide_columns
+from .lora_wide import project_wide, wide_columns, wide_grad_input
 from .nf4 import dequantize_nf4
 
 __all__ = ["BaseWeight", "lora_linear", "lora_o", "lora_qkv"]
@@ -283,10 +283,17 @@ def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
 
 def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None):
     """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's);
-    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None."""
+    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None. A widened group that needs
+    dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``)."""
     need_x, need_a, need_b = need
-    dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked) if (need_x or any(need_a)) else (None, None)
-    dx = grad_input(dys, bases, dyb, a_stacked, scratch) if need_x else None
+    cols = wide_columns(bases, adapters, dys[0].dtype) if need_x and any(ad is not None for ad in adapters) else None
+    if cols is not None:
+        if a_stacked is None:
+            a_stacked = _stack_a(adapters, dys[0].dtype)
+        dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked)
+    else:
+        dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked) if (need_x or any(need_a)) else (None, None)
+        dx = grad_input(dys, bases, dyb, a_stacked, scratch) if need_x else None
     da, db = adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b)
     return dx, da, db
 

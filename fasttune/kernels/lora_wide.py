@@ -13,7 +13,15 @@ for the projections p of one input X (q/k/v, or gate/up), where projection p own
 per output, and a copy of X into the widened input unless X's producer wrote it there: the GLU
 kernel writes H into the down projection's, and the RMSNorm kernel leaves spare columns after
 its rows on request (``spare_columns.py``), so X from a patched norm is not copied from the
-second call on. Backward is unchanged (``lora.group_backward`` on the W columns).
+second call on.
+
+Backward reads the same buffers: Σ_p dY_p [W_p | tail_p] = [Σ_p dY_p W_p | dY_p B_p in p's tail
+columns], so the rank-r products dY_p B_p (memory-bound passes over each dY_p, ~60 µs per
+14,336-wide gate/up gradient of an 8B layer) come out of the base products for R more output
+columns, and dX = (that) + s·dYB [A_p; …] is one more pass over dX (``wide_grad_input``; used
+for q/k/v and gate/up, not for the down projection, whose dX [N, I] is 3.5× wider than its dY).
+The tails are reloaded first: a forward with the adapters off in between (DPO's reference pass)
+zeroed them.
 
 The weight side is never copied per call: a ``WideWeight`` owns a buffer [out, in + R] whose first
 ``in`` columns are the frozen base weight itself (the parameter is re-homed as a view of them,
@@ -33,7 +41,7 @@ import torch.nn.functional as F
 
 from .spare_columns import spare_input
 
-__all__ = ["WideWeight", "wide_columns", "widened_input", "project_wide", "TAIL_MULTIPLE"]
+__all__ = ["WideWeight", "wide_columns", "widened_input", "project_wide", "wide_grad_input", "TAIL_MULTIPLE"]
 
 TAIL_MULTIPLE = 64  # tails padded to 64 columns: rows of a 16-bit buffer stay 128-byte aligned for cuBLAS
 
@@ -152,3 +160,29 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
         base.wide.load(col, None if ad is None else ad[1])  # copy_ casts to the buffer's dtype
         ys.append(F.linear(xcat, base.wide.buf, None if base.bias is None else base.bias.to(dt)))
     return ys
+
+
+def wide_grad_input(dys, bases, adapters, cols: list[int | None], a_stacked: torch.Tensor):
+    """(dX, dYB) of a widened group (module docstring): dX [N, in] and dYB = [s_p dY_p B_p]_p
+    [N, Σ r_p] are column ranges of one [N, in + R] product sum (row stride in + R).
+
+    Args:
+        dys: dY_p [N, out_p] per projection, in the compute dtype.
+        bases, adapters, cols: as in ``project_wide``; at least one adapter.
+        a_stacked: [A_p; …] [Σ r_p, in] in the compute dtype (``lora.stacked_xa``).
+    """
+    for base, ad, col in zip(bases, adapters, cols):
+        base.wide.load(col, None if ad is None else ad[1])
+    dxw = None
+    for dy, base in zip(dys, bases):
+        dxw = torch.mm(dy, base.wide.buf) if dxw is None else dxw.addmm_(dy, base.wide.buf)
+    in_f = bases[0].wide.in_features
+    dyb = dxw[:, in_f:in_f + a_stacked.shape[0]]
+    scales = {ad[2] for ad in adapters if ad is not None}
+    if len(scales) > 1:
+        for ad, col in zip(adapters, cols):
+            if ad is not None and ad[2] != 1:
+                dyb[:, col:col + ad[0].shape[0]].mul_(ad[2])
+    elif (s := scales.pop()) != 1:  # PEFT's alpha = r gives s = 1: no launch
+        dyb.mul_(s)
+    return dxw[:, :in_f].addmm_(dyb, a_stacked), dyb

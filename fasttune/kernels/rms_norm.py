@@ -1,4 +1,6 @@
-"""RMSNorm, and RMSNorm fused with the residual add before it, with hand-written backward.
+"""RMSNorm, RMSNorm fused with the residual add before it, and RMSNorm passing its input through
+for the residual add after it (``rms_norm_keep``: its backward adds that add's gradient), with
+hand-written backward.
 
 Forward, per row x of width H (for ``rms_norm_add`` x is s = x + residual, rounded to x's dtype):
 
@@ -13,7 +15,8 @@ Backward, dy the gradient of y, all in fp32:
                                                           x̂ to x.dtype passes the gradient through,
                                                           as autograd does)
     c     = mean(g · x̂)                                   one scalar per row
-    dx    = r · (g − x̂ · c)                               (+ ds, the gradient of s, for rms_norm_add)
+    dx    = r · (g − x̂ · c)                               (+ ds: the gradient of s for rms_norm_add,
+                                                          of the passed-through x for rms_norm_keep)
     dw    = Σ_rows dy · x̂'                                x̂' = round(x̂, x.dtype) for llama, x̂ for gemma
 
 The column sum dw is done without atomics: each program loops over its own slice of rows, keeps
@@ -42,7 +45,7 @@ from fasttune.kernels import reference
 from fasttune.kernels._backend import check_float, check_same_device, use_triton
 from fasttune.kernels.spare_columns import SpareColumns, output_rows
 
-__all__ = ["rms_norm", "rms_norm_add", "RMSNormFunction", "RMSNormAddFunction"]
+__all__ = ["rms_norm", "rms_norm_add", "rms_norm_keep", "RMSNormFunction", "RMSNormAddFunction", "RMSNormKeepFunction"]
 
 _MAX_FWD_BLOCK = 16384  # widest row the forward keeps in registers; wider rows loop over chunks
 _MAX_BWD_BLOCK = 8192  # the backward keeps ~5 row-sized fp32 values per element: narrower limit
@@ -366,12 +369,32 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+class RMSNormKeepFunction(torch.autograd.Function):
+    """(y, x) = (rms_norm(x), x): the input passed through, so that its second use (the residual)
+    sends its gradient here and dx = norm backward + that gradient is one pass (no autograd add)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting, spare=None):
+        y, _, rstd = _fwd(x, None, weight, eps, offset, casting, spare)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset, ctx.casting = offset, casting
+        ctx.set_materialize_grads(False)
+        return y, x  # x returned as is: autograd makes it a view whose gradient comes back here
+
+    @staticmethod
+    def backward(ctx, dy, dx_through):
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _bwd(dy, dx_through, x, weight, rstd, ctx.offset, ctx.casting, need_dx, need_dw)
+        return dx, dw, None, None, None, None
+
+
 class RMSNormAddFunction(torch.autograd.Function):
     """(y, s) = (rms_norm(x + residual), x + residual); saves s and r."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting):
-        y, s, rstd = _fwd(x, residual, weight, eps, offset, casting)
+    def forward(ctx, x, residual, weight, eps, offset, casting, spare=None):
+        y, s, rstd = _fwd(x, residual, weight, eps, offset, casting, spare)
         ctx.save_for_backward(s, weight, rstd)
         ctx.offset, ctx.casting = offset, casting
         ctx.set_materialize_grads(False)
@@ -384,7 +407,7 @@ class RMSNormAddFunction(torch.autograd.Function):
         dsum, dw = _bwd(dy, ds, s, weight, rstd, ctx.offset, ctx.casting, need_ds, ctx.needs_input_grad[2])
         dx = dsum if ctx.needs_input_grad[0] else None
         dres = dsum if ctx.needs_input_grad[1] else None
-        return dx, dres, dw, None, None, None
+        return dx, dres, dw, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,15 +453,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float
         The normalised tensor, shape of x (rows ``spare.width`` elements apart).
     """
     _check(x, weight, eps, casting)
-    if spare is not None and not isinstance(spare, SpareColumns):
-        raise TypeError(f"spare must be a SpareColumns or None, got {type(spare).__name__}")
+    _check_spare(spare)
     if not use_triton(x, weight):
         return reference.rms_norm(x, weight, eps, offset=offset, casting=casting)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting, spare)
 
 
+def _check_spare(spare):
+    if spare is not None and not isinstance(spare, SpareColumns):
+        raise TypeError(f"spare must be a SpareColumns or None, got {type(spare).__name__}")
+
+
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 offset: float = 0.0, casting: str = "llama"):
+                 offset: float = 0.0, casting: str = "llama", spare: SpareColumns | None = None):
     """The residual add fused with the norm after it: ``(rms_norm(x + residual), x + residual)``.
 
     One pass reads x and residual and writes both the sum and its norm; the backward adds the
@@ -446,12 +473,31 @@ def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     Args:
         x, residual: [..., H], same shape and dtype.
-        weight, eps, offset, casting: as in ``rms_norm``.
+        weight, eps, offset, casting, spare: as in ``rms_norm`` (spare applies to the normed output).
 
     Returns:
         (normed, x + residual).
     """
     _check(x, weight, eps, casting, residual)
+    _check_spare(spare)
     if not use_triton(x, residual, weight):
         return reference.rms_norm_add(x, residual, weight, eps, offset=offset, casting=casting)
-    return RMSNormAddFunction.apply(x, residual, weight, float(eps), float(offset), casting)
+    return RMSNormAddFunction.apply(x, residual, weight, float(eps), float(offset), casting, spare)
+
+
+def rms_norm_keep(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
+                  casting: str = "llama", spare: SpareColumns | None = None):
+    """``(rms_norm(x), x)``: the norm of a residual-stream tensor and the tensor itself, for the
+    residual add that also reads it. The backward adds that add's gradient to the norm's in the
+    same pass, so autograd does not sum the two in a separate kernel.
+
+    Args: as in ``rms_norm``.
+
+    Returns:
+        (normed, x): the second a view of x (use it, not x, for the residual add).
+    """
+    _check(x, weight, eps, casting)
+    _check_spare(spare)
+    if not use_triton(x, weight):
+        return reference.rms_norm(x, weight, eps, offset=offset, casting=casting), x
+    return RMSNormKeepFunction.apply(x, weight, float(eps), float(offset), casting, spare)

@@ -42,6 +42,9 @@ class FamilySpec:
         activation_attrs: config attributes naming the MLP activation, first present wins.
         final_softcap_attr: config attribute of the final-logit soft-cap (Gemma 2/3), if any.
         logit_divisor_attr: config attribute the logits are divided by (Granite), if any.
+        pre_norm_layer: True where the decoder layer is exactly x + attn(norm_1(x)), then h + mlp(norm_2(h)),
+            with the norms ``input_layernorm`` / ``post_attention_layernorm`` and every layer argument passed
+            on to the attention (``residual.py`` runs that layer with fused residual norms).
         mlp_output_saved: True where an op after the MLP saves its output for backward (a
             post-feedforward norm: Gemma 2/3, OLMo2); False where it only enters the residual sum,
             so a checkpoint recompute may skip computing it.
@@ -65,6 +68,7 @@ class FamilySpec:
     activation_attrs: tuple[str, ...] = ("hidden_act",)
     final_softcap_attr: str | None = None
     logit_divisor_attr: str | None = None
+    pre_norm_layer: bool = False
     mlp_output_saved: bool = False
     gguf_arch: str = "llama"
 
@@ -92,6 +96,7 @@ LLAMA = FamilySpec(
     attention_class="LlamaAttention",
     mlp_class="LlamaMLP",
     norm_class="LlamaRMSNorm",
+    pre_norm_layer=True,
     gguf_arch="llama",
 )
 
@@ -106,16 +111,20 @@ GEMMA = _row(LLAMA, "gemma", "Gemma", norm_eps_attr="eps", norm_offset=1.0, norm
 GEMMA2 = _row(GEMMA, "gemma2", "Gemma2", activation_attrs=("hidden_activation",),
               attention_kwargs=(("sliding_window", "module:sliding_window"),
                                 ("softcap", "module:attn_logit_softcapping")),
-              final_softcap_attr="final_logit_softcapping", mlp_output_saved=True, gguf_arch="gemma2")
+              final_softcap_attr="final_logit_softcapping", mlp_output_saved=True, pre_norm_layer=False,
+              gguf_arch="gemma2")
 GEMMA3_TEXT = _row(GEMMA2, "gemma3_text", "Gemma3", qk_norm="head",
                    modeling_module="transformers.models.gemma3.modeling_gemma3",
                    causal_lm_class="Gemma3ForCausalLM", attention_kwargs=(("sliding_window", "module:sliding_window"),),
                    gguf_arch="gemma3")
+# Not pre-norm layers as residual.py runs them: Phi-3 adds residual dropouts, Granite scales the
+# residual branch, OLMo2 (like Gemma 2/3) norms the branch outputs.
 PHI3 = _row(LLAMA, "phi3", "Phi3", qkv_layout="fused", mlp_layout="fused",
-            attention_kwargs=(("sliding_window", "config:sliding_window"),), gguf_arch="phi3")
-GRANITE = _row(LLAMA, "granite", "Granite", logit_divisor_attr="logits_scaling", gguf_arch="granite")
+            attention_kwargs=(("sliding_window", "config:sliding_window"),), pre_norm_layer=False, gguf_arch="phi3")
+GRANITE = _row(LLAMA, "granite", "Granite", logit_divisor_attr="logits_scaling", pre_norm_layer=False,
+               gguf_arch="granite")
 OLMO2 = _row(LLAMA, "olmo2", "Olmo2", qk_norm="full", norm_casting="gemma", mlp_output_saved=True,
-             gguf_arch="olmo2")
+             pre_norm_layer=False, gguf_arch="olmo2")
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec

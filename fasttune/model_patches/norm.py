@@ -62,6 +62,33 @@ class FastRMSNormForward(PatchedForward):
         eps = getattr(self.module, self.eps_attr)
         return rms_norm(x, weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
 
+    def _takes(self, x: torch.Tensor) -> bool:
+        weight = self.module.weight
+        return (x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and x.shape[-1] == weight.shape[0]
+                and x.numel() > 0)
+
+    def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), x) for a pre-norm layer (``residual.py``): use the second for the residual add, so
+        its gradient is added in this norm's backward pass."""
+        if not self._takes(x):
+            return self(x), x
+        from ..kernels.rms_norm import rms_norm_keep
+
+        eps = getattr(self.module, self.eps_attr)
+        return rms_norm_keep(x, self.module.weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x) in one pass when both have one dtype and shape (the sum
+        rounds as torch's add would); otherwise torch's add (type promotion included), then the norm."""
+        if residual.dtype != x.dtype or residual.shape != x.shape or not self._takes(x):
+            s = residual + x
+            return self(s), s
+        from ..kernels.rms_norm import rms_norm_add
+
+        eps = getattr(self.module, self.eps_attr)
+        return rms_norm_add(x, residual, self.module.weight, eps, offset=self.offset, casting=self.casting,
+                            spare=self.spare)
+
 
 def check_norm(module: nn.Module, spec: FamilySpec) -> str | None:
     """Why ``module`` cannot take the kernel, or None when it can."""

@@ -28,7 +28,7 @@ def _patchers():
     """The patchers in the order they run (import here keeps optional parts lazy)."""
     patchers = [patch_head]
     for module_name, fn_name in (("norm", "patch_norms"), ("attention", "patch_attention"),
-                                 ("mlp", "patch_mlp"), ("lora", "patch_lora"),
+                                 ("mlp", "patch_mlp"), ("lora", "patch_lora"), ("residual", "patch_residuals"),
                                  ("checkpointing", "install_checkpointing")):
         try:
             module = importlib.import_module(f"{__package__}.{module_name}")

@@ -84,6 +84,34 @@ def test_fresh_adapter_is_bitwise_the_adapterless_product(device):
     assert torch.equal(base.wide.buf[:, 64:], torch.zeros(112, 16, device=device))  # the off call zeroed it
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_reloads_tails_zeroed_by_an_adapterless_forward(device, dtype):
+    """DPO runs the reference (adapters off: zero tails) between the policy's forward and backward;
+    the policy's dYB comes from the tails, so backward must put B back first."""
+    torch.manual_seed(6)
+    x = torch.randn(2, 19, 56, device=device, dtype=dtype, requires_grad=True)
+    parts = [spec(88, 56, 8, dtype, device, 18, extra=16), spec(40, 56, 6, dtype, device, 19, extra=16),
+             spec(40, 56, 2, dtype, device, 20, extra=16)]
+
+    def policy_then_reference(x, specs):
+        outs = lora_qkv(x, *specs)
+        with torch.no_grad():
+            lora_qkv(x, *((base, None, None, 0.0) for base, *_ in specs))
+        assert not specs[0][0].wide.buf[:, 56:].any()  # the reference zeroed the tail
+        return outs
+
+    check(policy_then_reference, x, parts, dtype)
+
+
+def test_widened_dx_and_rank_products_share_one_buffer(device):
+    """dX is a column range of the [N, in + R] product sum (no separate dY B products)."""
+    torch.manual_seed(7)
+    x = torch.randn(29, 48, device=device, requires_grad=True)
+    (base, a, b, s), _, _ = spec(72, 48, 8, torch.float32, device, 21, extra=16)
+    dx, = torch.autograd.grad(lora_linear(x, base, a, b, s), x, torch.randn(29, 72, device=device))
+    assert dx.shape == (29, 48) and dx.stride() == (64, 1)
+
+
 def test_tail_layout_bookkeeping(device):
     w = torch.randn(10, 6, device=device)
     wide = widened(w, 8).wide

@@ -10,7 +10,7 @@ import torch
 
 import fasttune.kernels.rms_norm as rms_mod
 from fasttune.kernels import reference
-from fasttune.kernels.rms_norm import rms_norm, rms_norm_add
+from fasttune.kernels.rms_norm import rms_norm, rms_norm_add, rms_norm_keep
 
 EPS = 1e-6
 
@@ -123,6 +123,44 @@ def test_rms_norm_add(device, casting, dtype, wdtype):
     res, _, ds = inputs((3, 13, 200), dtype, wdtype, device, seed=1)
     got = compare(x, w, dy, residual=res, ds=ds, offset=1.0 if casting == "gemma" else 0.0, casting=casting)
     assert got[1].dtype == dtype
+
+
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype,wdtype", DTYPES[:2] + DTYPES[3:], ids=["f32", "bf16", "bf16_w32"])
+def test_rms_norm_keep(device, casting, dtype, wdtype):
+    """(norm(x), x): the passed-through x's gradient is added in the norm's backward pass, against
+    the same-dtype reference (norm, then autograd's add) and float64."""
+    x, w, dy = inputs((3, 13, 200), dtype, wdtype, device)
+    dt = inputs((3, 13, 200), dtype, wdtype, device, seed=1)[2].to(dtype)
+    kw = dict(offset=1.0 if casting == "gemma" else 0.0, casting=casting)
+    y, kept = rms_norm_keep(x, w, EPS, **kw)
+    assert torch.equal(kept, x) and kept.data_ptr() == x.data_ptr()
+    dy = dy.to(y.dtype)
+    got = torch.autograd.grad((y, kept), (x, w), (dy, dt))
+
+    def ref(x, w, dy, dt):
+        yr = reference.rms_norm(x, w, EPS, **kw)
+        return (yr, *torch.autograd.grad((yr, x), (x, w), (dy, dt)))
+
+    same = ref(x, w, dy, dt)
+    ref64 = ref(f64(x), f64(w), f64(dy), f64(dt))
+    lowp = dtype if dtype != torch.float32 else None
+    xf = x.detach().double()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    dw_mag = (f64(dy).abs() * xhat.abs()).reshape(-1, 200).sum(0)
+    for name, a, s_, r in zip(["y", "dx", "dw"], (y, *got), same, ref64):
+        check(a, r, s_, lowp, name, ulps=2 if name == "y" and casting == "llama" else 1,
+              mag=dw_mag if name == "dw" else None)
+
+
+def test_rms_norm_keep_without_the_through_gradient(device):
+    """Only the normed output used: the gradient is the plain norm's (and the other way round: x's own)."""
+    x, w, dy = inputs((37, 67), torch.float32, torch.float32, device)
+    y, kept = rms_norm_keep(x, w, EPS)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(y, (x, w), dy, retain_graph=True),
+                                                 torch.autograd.grad(rms_norm(x, w, EPS), (x, w), dy)))
+    dx, dw = torch.autograd.grad(kept, (x, w), dy, allow_unused=True, materialize_grads=True)
+    assert torch.equal(dx, dy) and not dw.any()
 
 
 @pytest.mark.parametrize("used", ["normed", "sum"])

@@ -15,7 +15,7 @@ import torch
 
 from fasttune.kernels.lora import lora_qkv
 from fasttune.kernels.lora_glu import lora_mlp
-from fasttune.kernels.rms_norm import rms_norm
+from fasttune.kernels.rms_norm import rms_norm, rms_norm_add, rms_norm_keep
 from fasttune.kernels.spare_columns import SpareColumns, output_rows, spare_input
 from helpers.wide_lora import check, spec
 
@@ -45,6 +45,23 @@ def test_norm_with_spare_columns_is_bitwise_the_plain_norm(device, dtype, castin
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(y_spare, (x, w), dy),
                                                  torch.autograd.grad(y_plain, (x, w), dy)))
     y_spare.mul_(1)  # not a view made inside an autograd Function: in-place ops are allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_norms_leave_spare_columns(device, dtype):
+    """rms_norm_add and rms_norm_keep take the same ``spare``: their normed output is bitwise the
+    plain call's, rows longer, and a widened group finds X in place."""
+    x, w = _norm_inputs(device, dtype, (2, 9, 40), seed=2)
+    res, _ = _norm_inputs(device, dtype, (2, 9, 40), seed=3)
+    for call in (lambda sp: rms_norm_add(x, res, w, EPS, spare=sp), lambda sp: rms_norm_keep(x, w, EPS, spare=sp)):
+        spare = SpareColumns()
+        spare.request(8)
+        (y, s), (y0, s0) = call(spare), call(None)
+        assert y.stride() == (9 * 56, 56, 1) and torch.equal(y, y0) and torch.equal(s, s0)
+        assert spare_input(y.reshape(18, 40), 8).shape == (18, 48)
+        dy, ds = torch.randn_like(y0), torch.randn_like(s0)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad((y, s), (x, w), (dy, ds)),
+                                                     torch.autograd.grad((y0, s0), (x, w), (dy, ds))))
 
 
 def test_spare_input_only_from_whole_tagged_outputs(device):

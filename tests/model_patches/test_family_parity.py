@@ -35,9 +35,14 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "qkv_proj", "gate_up_proj"]
 
 
+# x + attn(norm(x)), then h + mlp(norm(h)): the layers that run with the residual adds in the norms.
+PRE_NORM_LAYERS = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+
+
 def expected_counts(model_type: str) -> dict[str, int]:
-    return {"rms_norm": LAYERS * NORMS_PER_LAYER[model_type] + 1, "rope": LAYERS, "mlp": LAYERS,
-            "cross_entropy": 1}
+    counts = {"rms_norm": LAYERS * NORMS_PER_LAYER[model_type] + 1, "rope": LAYERS, "mlp": LAYERS,
+              "cross_entropy": 1}
+    return {**counts, "residual_norms": LAYERS} if model_type in PRE_NORM_LAYERS else counts
 
 
 def _step(model, batch, **kw):

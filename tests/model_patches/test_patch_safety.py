@@ -133,9 +133,10 @@ def test_float64_model_stays_stock_and_runtime_dtypes_never_crash():
 @pytest.mark.parametrize("flags, expected", [
     (dict(rms_norm=False, rope=False, mlp=False, lora=False, cross_entropy=False), {}),
     (dict(rms_norm=False), {"rope": 2, "mlp": 2, "cross_entropy": 1}),
-    (dict(rope=False), {"rms_norm": 9, "attention_hook": 2, "mlp": 2, "cross_entropy": 1}),
-    (dict(rope=False, mlp=False, lora=False, cross_entropy=False), {"rms_norm": 9}),
-    (dict(mlp=False, cross_entropy=False), {"rms_norm": 9, "rope": 2, "mlp_hook": 2}),
+    (dict(rope=False), {"rms_norm": 9, "residual_norms": 2, "attention_hook": 2, "mlp": 2, "cross_entropy": 1}),
+    (dict(rope=False, mlp=False, lora=False, cross_entropy=False), {"rms_norm": 9, "residual_norms": 2}),
+    (dict(mlp=False, cross_entropy=False), {"rms_norm": 9, "residual_norms": 2, "rope": 2, "mlp_hook": 2}),
+    (dict(residual_norms=False, cross_entropy=False), {"rms_norm": 9, "rope": 2, "mlp": 2}),
 ])
 def test_config_flags_are_honoured(flags, expected):
     stock = tiny_model("qwen3", seed=7)
@@ -144,6 +145,7 @@ def test_config_flags_are_honoured(flags, expected):
     assert dict(report.patched) == expected and not report.fallbacks
     kinds = {type(f).__name__ for f in _forwards(fast).values()}
     assert ("FastRMSNormForward" in kinds) == ("rms_norm" in expected)
+    assert ("FusedResidualLayerForward" in kinds) == ("residual_norms" in expected)
     assert ("FastAttentionForward" in kinds) == bool({"rope", "attention_hook"} & set(expected))
     assert ("FastMLPForward" in kinds) == bool({"mlp", "mlp_hook"} & set(expected))
     for fwd in _forwards(fast).values():
@@ -159,7 +161,7 @@ def test_patching_twice_repatches_cleanly():
     fast = copy.deepcopy(stock)
     patch_model(fast, FastConfig())
     report = patch_model(fast, FastConfig(rope=False, lora=False))
-    assert dict(report.patched) == {"rms_norm": 5, "mlp": 2, "cross_entropy": 1}
+    assert dict(report.patched) == {"rms_norm": 5, "residual_norms": 2, "mlp": 2, "cross_entropy": 1}
     forwards = _forwards(fast)
     assert not any(isinstance(f, FastAttentionForward) for f in forwards.values())
     for name, fwd in forwards.items():  # each wraps the class forward, not an earlier patch
@@ -175,13 +177,13 @@ def test_two_models_patched_differently_do_not_interfere():
     patch_model(full, FastConfig())
     patch_model(norms_only, FastConfig(rope=False, mlp=False, lora=False, cross_entropy=False))
     kinds = lambda m: {type(f).__name__ for f in _forwards(m).values()}  # noqa: E731
-    assert kinds(norms_only) == {"FastRMSNormForward"}
-    assert kinds(full) == {"FastRMSNormForward", "FastAttentionForward", "FastMLPForward",
-                           "FusedLossCausalLMForward"}
+    norms = {"FastRMSNormForward", "FusedResidualLayerForward"}
+    assert kinds(norms_only) == norms
+    assert kinds(full) == norms | {"FastAttentionForward", "FastMLPForward", "FusedLossCausalLMForward"}
     _assert_parity(full, stock, seed=1)
     _assert_parity(norms_only, stock, seed=2)
     unpatch_model(full)
-    assert _forwards(full) == {} and kinds(norms_only) == {"FastRMSNormForward"}
+    assert _forwards(full) == {} and kinds(norms_only) == norms
 
 
 def _class_snapshot():
@@ -250,4 +252,4 @@ def test_unpatching_a_deep_copy_leaves_the_original_patched():
     patch_model(model, FastConfig())
     twin = copy.deepcopy(model)
     unpatch_model(twin)
-    assert _forwards(twin) == {} and len(_forwards(model)) == 10
+    assert _forwards(twin) == {} and len(_forwards(model)) == 12  # 5 norms, 2 layers, 2 attn, 2 MLPs, the head
