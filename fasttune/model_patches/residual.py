@@ -124,8 +124,8 @@ def patch_residuals(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
     for name, module in base.named_modules():
         if type(module) is not layer_cls:
             continue
-        if not all(isinstance(getattr(module, n, None).__dict__.get("forward"), FastRMSNormForward)
-                   for n in ("input_layernorm", "post_attention_layernorm") if isinstance(getattr(module, n, None), nn.Module)):
+        norms = [getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+        if any(isinstance(m, nn.Module) and not isinstance(m.__dict__.get("forward"), FastRMSNormForward) for m in norms):
             continue  # a norm left stock: its own fallback is already in the report
         reason = check_layer(module)
         if reason is not None:
