@@ -350,23 +350,33 @@ def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
 # --------------------------------------------------------------------------------------------
 
 
+def _norm_forward(ctx, x, weight, eps, offset, casting, spare):
+    """y of a norm of x (no residual), with x and r saved for ``_norm_backward``."""
+    y, _, rstd = _fwd(x, None, weight, eps, offset, casting, spare)
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.offset, ctx.casting = offset, casting
+    ctx.set_materialize_grads(False)
+    return y
+
+
+def _norm_backward(ctx, dy, d_through):
+    """(dx, dw, None × 4) for (x, weight, eps, offset, casting, spare); ``d_through`` adds to dx."""
+    x, weight, rstd = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _bwd(dy, d_through, x, weight, rstd, ctx.offset, ctx.casting, need_dx, need_dw)
+    return dx, dw, None, None, None, None
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = rms_norm(x, weight); saves x and r, returns dx and dw."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting, spare=None):
-        y, _, rstd = _fwd(x, None, weight, eps, offset, casting, spare)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset, ctx.casting = offset, casting
-        ctx.set_materialize_grads(False)
-        return y
+        return _norm_forward(ctx, x, weight, eps, offset, casting, spare)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _bwd(dy, None, x, weight, rstd, ctx.offset, ctx.casting, need_dx, need_dw)
-        return dx, dw, None, None, None, None
+        return _norm_backward(ctx, dy, None)
 
 
 class RMSNormKeepFunction(torch.autograd.Function):
@@ -375,18 +385,12 @@ class RMSNormKeepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting, spare=None):
-        y, _, rstd = _fwd(x, None, weight, eps, offset, casting, spare)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset, ctx.casting = offset, casting
-        ctx.set_materialize_grads(False)
-        return y, x  # x returned as is: autograd makes it a view whose gradient comes back here
+        # x returned as is: autograd makes it a view whose gradient comes back here
+        return _norm_forward(ctx, x, weight, eps, offset, casting, spare), x
 
     @staticmethod
     def backward(ctx, dy, dx_through):
-        x, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _bwd(dy, dx_through, x, weight, rstd, ctx.offset, ctx.casting, need_dx, need_dw)
-        return dx, dw, None, None, None, None
+        return _norm_backward(ctx, dy, dx_through)
 
 
 class RMSNormAddFunction(torch.autograd.Function):

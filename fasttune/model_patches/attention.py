@@ -33,6 +33,7 @@ from torch import nn
 from ..config import FastConfig
 from .families import FamilySpec
 from .instance import PatchedForward, few_rows_without_grad, stock_forward, swap_forward
+from .patch import family_class
 from .report import PatchReport
 
 OP_ROPE = "rope"
@@ -233,11 +234,10 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
     if not (config.rope or config.lora):
         return
     op = OP_ROPE if config.rope else OP_HOOK
-    attn_cls = classes.get("attention_class")
-    eager, stock_rope, functions = _family_functions(spec)
+    attn_cls = family_class(spec, classes, "attention_class", op, report)
     if attn_cls is None:
-        report.fallback(op, spec.model_type, f"{spec.attention_class} not found in {spec.modeling_module}")
         return
+    eager, stock_rope, functions = _family_functions(spec)
     if eager is None or (stock_rope is None and not config.rope):
         report.fallback(op, spec.model_type, f"{spec.modeling_module} has no eager_attention_forward / "
                         "apply_rotary_pos_emb in this transformers version")

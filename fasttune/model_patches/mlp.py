@@ -24,6 +24,7 @@ from ..config import FastConfig
 from .attention import float_dtype
 from .families import ACTIVATIONS, FamilySpec
 from .instance import PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
+from .patch import family_class
 from .report import PatchReport
 
 OP = "mlp"
@@ -150,9 +151,8 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
     if not (config.mlp or config.lora):
         return
     op = OP if config.mlp else OP_HOOK
-    mlp_cls = classes.get("mlp_class")
+    mlp_cls = family_class(spec, classes, "mlp_class", op, report)
     if mlp_cls is None:
-        report.fallback(op, spec.model_type, f"{spec.mlp_class} not found in {spec.modeling_module}")
         return
     layer_cls = classes.get("decoder_layer_class")
     for name, module in base.named_modules():

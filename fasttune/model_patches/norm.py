@@ -24,6 +24,7 @@ from ..config import FastConfig
 from ..kernels.spare_columns import SpareColumns
 from .families import FamilySpec
 from .instance import PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
+from .patch import family_class
 from .report import PatchReport
 
 OP = "rms_norm"
@@ -114,9 +115,8 @@ def patch_norms(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCo
     """Install ``FastRMSNormForward`` on every norm of the family's class; report the others."""
     if not config.rms_norm:
         return
-    norm_cls = classes.get("norm_class")
+    norm_cls = family_class(spec, classes, "norm_class", OP, report)
     if norm_cls is None:
-        report.fallback(OP, spec.model_type, f"{spec.norm_class} not found in {spec.modeling_module}")
         return
     for name, module in base.named_modules():
         if type(module) is not norm_cls:

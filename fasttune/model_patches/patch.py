@@ -68,6 +68,23 @@ def resolve_classes(spec: FamilySpec) -> dict[str, type]:
     return found
 
 
+def family_class(spec: FamilySpec, classes: dict, field_name: str, op: str, report: PatchReport) -> type | None:
+    """The family's class ``field_name`` (e.g. "norm_class") from ``resolve_classes``, or None after
+    reporting that this transformers version lacks it."""
+    cls = classes.get(field_name)
+    if cls is None:
+        report.fallback(op, spec.model_type, f"{getattr(spec, field_name)} not found in {spec.modeling_module}")
+    return cls
+
+
+def family_modules(base: nn.Module, spec: FamilySpec, classes: dict, field_name: str, op: str, report: PatchReport):
+    """(name, module) for each module of exactly the family's class ``field_name`` (none, and the
+    class reported missing, when this transformers version lacks it)."""
+    cls = family_class(spec, classes, field_name, op, report)
+    if cls is not None:
+        yield from ((name, m) for name, m in base.named_modules() if type(m) is cls)
+
+
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:
     """Swap the forwards of this model's modules for fasttune's kernels.
 

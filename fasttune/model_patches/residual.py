@@ -32,6 +32,7 @@ from ..config import FastConfig
 from .families import FamilySpec
 from .instance import PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .norm import FastRMSNormForward
+from .patch import family_modules
 from .report import PatchReport
 
 OP = "residual_norms"
@@ -117,13 +118,7 @@ def patch_residuals(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
     """Install ``FusedResidualLayerForward`` on each pre-norm decoder layer; report the others."""
     if not (config.residual_norms and config.rms_norm and spec.pre_norm_layer):
         return
-    layer_cls = classes.get("decoder_layer_class")
-    if layer_cls is None:
-        report.fallback(OP, spec.model_type, f"{spec.decoder_layer_class} not found in {spec.modeling_module}")
-        return
-    for name, module in base.named_modules():
-        if type(module) is not layer_cls:
-            continue
+    for name, module in family_modules(base, spec, classes, "decoder_layer_class", OP, report):
         norms = [getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if any(isinstance(m, nn.Module) and not isinstance(m.__dict__.get("forward"), FastRMSNormForward) for m in norms):
             continue  # a norm left stock: its own fallback is already in the report
