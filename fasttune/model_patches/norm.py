@@ -54,16 +54,15 @@ class FastRMSNormForward(PatchedForward):
         x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
         if x is None or stock_is_faster(x):
             return self.stock(*args, **kwargs)
-        weight = self.module.weight
-        if (not isinstance(x, torch.Tensor) or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES
-                or x.shape[-1] != weight.shape[0] or x.numel() == 0):
+        if not isinstance(x, torch.Tensor) or not self._takes(x):
             return self.stock(*args, **kwargs)  # float64, odd shapes: the stock math, unchanged
         from ..kernels.rms_norm import rms_norm  # the submodule: `kernels.rms_norm` is also a module name
 
         eps = getattr(self.module, self.eps_attr)
-        return rms_norm(x, weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
+        return rms_norm(x, self.module.weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
 
     def _takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel computes this call (dtypes it handles, a matching non-empty input)."""
         weight = self.module.weight
         return (x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and x.shape[-1] == weight.shape[0]
                 and x.numel() > 0)
