@@ -1,14 +1,20 @@
 """FastConfig: every fasttune option, in one dataclass.
 
 Like PEFT's configs: each field documents itself in ``metadata["help"]``, ``__post_init__``
-normalises values and rejects contradictions with a ValueError naming the field, and
-``to_dict``/``from_dict`` round-trip (model cards and the CLI's YAML embed it). No behaviour
-hides in environment variables.
+checks each value's type (TypeError naming the field: ``rms_norm="no"`` must not leave the kernel
+on) and rejects contradictions with a ValueError naming the field, and ``to_dict``/``from_dict``
+round-trip (model cards and the CLI's YAML embed it). No behaviour hides in environment variables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +49,10 @@ class FastConfig:
     lora_widen: bool = field(default=True, metadata={
         "help": "With fused LoRA: at its first fused call, store each frozen dense q/k/v, gate/up and down weight "
                 "with room for its group's LoRA B columns (the ranks padded to 64 columns: +1.6% of a 4096-wide "
-                "weight) so the rank-r term rides in the base product instead of an extra pass over the output; "
-                "base and rank-r terms are then rounded once. Never for FSDP shards, ZeRO-3 partitions or NF4."})
+                "weight) so the rank-r term rides in the base product instead of an extra pass over the output. "
+                "bf16 LoRA: one rounding per projection; closer to fp32 than stock bf16 (stock PEFT rounds the "
+                "base product, then the sum, so early LoRA updates below half a bf16 ulp vanish; False gives "
+                "stock's numbers). Never for FSDP shards, ZeRO-3 partitions or NF4."})
     fused_logprobs: bool = field(default=True, metadata={
         "help": "Serve TRL's fused LM head (fused_lm_head=True: SFT metrics, DPO, GRPO, KTO, RLOO "
                 "log-probabilities) with fasttune's kernel."})
@@ -92,15 +100,13 @@ class FastConfig:
         "help": "Hub id of the base model, written into cards when the base was loaded from a local path."})
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING_MODES}, got {self.checkpointing!r}")
         if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
             raise ValueError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
         if self.memory_budget_gb is not None and self.checkpointing != "auto":
             raise ValueError("memory_budget_gb only applies to checkpointing='auto'")
-        if self.fsdp_reshard_after_forward not in (None, True, False):
-            raise ValueError(f"fsdp_reshard_after_forward must be None, True or False, "
-                             f"got {self.fsdp_reshard_after_forward!r}")
         if self.loss_workspace_mib < 1:
             raise ValueError(f"loss_workspace_mib must be >= 1, got {self.loss_workspace_mib}")
         self.export_artifacts = _choices("export_artifacts", self.export_artifacts, ARTIFACTS)
@@ -127,12 +133,38 @@ class FastConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FastConfig":
         """Inverse of ``to_dict``; an unknown key is a ValueError listing the known ones."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"FastConfig.from_dict expects a dict of FastConfig fields, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in data if k not in known)
         if unknown:
             raise ValueError(f"unknown FastConfig field(s) {unknown}; known: {sorted(known)}")
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         return cls(**kwargs)
+
+    @classmethod
+    def coerce(cls, value: "FastConfig | Mapping[str, Any] | None", name: str = "fast_config") -> "FastConfig":
+        """The FastConfig a caller meant: itself, ``FastConfig()`` for None, ``from_dict`` of a dict.
+
+        Args:
+            value: a FastConfig, a dict of its fields, or None.
+            name: the caller's argument name, used in error messages.
+
+        Raises:
+            TypeError: ``value`` is none of those, or a field has the wrong type.
+            ValueError: an unknown key or a bad value (the message names ``name`` and the field).
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return cls.from_dict(value)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{name}: {err}") from None
+        raise TypeError(f"{name} must be a FastConfig, a dict of FastConfig fields or None, "
+                        f"got {type(value).__name__}")
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -151,3 +183,51 @@ def _choices(name: str, values, allowed, lower: bool = False) -> tuple[str, ...]
         if v not in out:
             out.append(v)
     return tuple(out)
+
+
+# -- field types ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _field_kinds() -> dict[str, tuple[type, bool]]:
+    """Field name → (base type, None allowed), read off FastConfig's annotations."""
+    out = {}
+    for name, hint in typing.get_type_hints(FastConfig).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        (base,) = [a for a in args if a is not type(None)]
+        out[name] = (tuple if typing.get_origin(base) is tuple else base, type(None) in args)
+    return out
+
+
+_EXPECTED = {bool: "True or False", int: "an integer", float: "a number", str: "a string",
+             tuple: "a string or a list of strings"}
+
+
+def _check_types(cfg: FastConfig) -> None:
+    """TypeError naming the field for a value of the wrong type; ints and floats normalised.
+
+    Strict on purpose: ``bool("no")`` is True, so a string would silently leave a kernel on.
+    """
+    for name, (kind, nullable) in _field_kinds().items():
+        value = getattr(cfg, name)
+        if value is None and nullable:
+            continue
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        elif kind is tuple:
+            ok = isinstance(value, str) or (isinstance(value, (list, tuple))
+                                            and all(isinstance(v, str) for v in value))
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            expected = "True, False or None" if kind is bool and nullable else (
+                _EXPECTED[kind] + (" or None" if nullable else ""))
+            raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        if kind is int:
+            setattr(cfg, name, int(value))
+        elif kind is float:
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            setattr(cfg, name, float(value))

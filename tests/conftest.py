@@ -58,3 +58,21 @@ def pytest_collection_modifyitems(config, items):
 def device() -> str:
     """The device kernel tests run on: CUDA where present, else CPU under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+# Every buffer a kernel reads must have been written: the kernel and patched-model tests run with
+# freed memory poisoned and every uninitialised allocation filled with NaN (helpers/poison.py).
+_POISONED_DIRS = ("kernels", "model_patches")
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_memory(request):
+    parts = request.node.path.parts
+    if "tests" not in parts or parts[parts.index("tests") + 1] not in _POISONED_DIRS \
+            or request.node.get_closest_marker("unpoisoned"):
+        yield None
+        return
+    from helpers.poison import poisoned
+
+    with poisoned("cuda" if HAS_CUDA else "cpu") as mode:
+        yield mode

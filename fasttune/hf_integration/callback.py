@@ -1,16 +1,20 @@
-"""FastPatchCallback: fasttune's patches on any existing Trainer (transformers or TRL) run."""
+"""FastPatchCallback: fasttune's patches on any existing Trainer (transformers or TRL) run, and
+CallCounts: what ran fused in the first optimizer step, logged once (every fasttune trainer adds it).
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from ..config import FastConfig
-from ..model_patches import PatchReport, patch_model
+from ..model_patches import PatchReport, patch_model, patch_report
 
 logger = logging.getLogger("fasttune")
+_MAX_FRAMES = 12  # calling_trainer: callback method, call_event, on_<event>, the Trainer's method, subclasses
 
 
 class FastPatchCallback(TrainerCallback):
@@ -18,15 +22,21 @@ class FastPatchCallback(TrainerCallback):
 
     Works on ``transformers.Trainer`` and TRL's trainers (``SFTTrainer``, ``DPOTrainer``,
     ``GRPOTrainer``...): those call ``model(..., fused_lm_head=True)``, which the patched head
-    answers with fasttune's kernel. The report is kept on ``self.report`` and logged.
+    answers with fasttune's kernel. TRL installs its own head after ``on_init_end`` and, under
+    fp16/bf16, accelerate wraps the forward before ``on_train_begin``: there fasttune's head goes back
+    on top (``trl.attach_trl_head``), and a separate reference model of the trainer is patched
+    (``trl.patch_reference``). The reports are kept on ``self.report`` / ``self.ref_report`` and
+    logged, with the run-time counts after the first optimizer step (``CallCounts``).
 
     Args:
         config: which fast paths to take; ``FastConfig()`` when None.
     """
 
     def __init__(self, config: FastConfig | None = None):
-        self.config = config or FastConfig()
+        self.config = FastConfig.coerce(config, "config")
         self.report: PatchReport | None = None
+        self.ref_report: PatchReport | None = None
+        self.call_counts = CallCounts()
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is None:
@@ -38,6 +48,7 @@ class FastPatchCallback(TrainerCallback):
 
         self.config = resolve_checkpointing(args, self.config)
         self.report = patch_model(model, self.config)
+        self.call_counts.reports["model"] = self.report
         if state.is_world_process_zero:
             log_report(self.report)
         return control
@@ -58,9 +69,87 @@ class FastPatchCallback(TrainerCallback):
             from .trl import attach_trl_head
 
             attach_trl_head(model, args, self.config)
+            self._patch_reference(args, state)
+        return self.call_counts.on_train_begin(args, state, control)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        return self.call_counts.on_step_end(args, state, control, **kwargs)
+
+    def _patch_reference(self, args, state) -> None:
+        """Patch the separate reference model of a TRL trainer (set in its ``__init__`` after
+        ``on_init_end``, so only the trainer itself knows it)."""
+        from .trl import patch_reference, trl_head_settings
+
+        if trl_head_settings(args, reference=True) is None:
+            return  # a trainer without a reference model
+        trainer = calling_trainer(self)
+        if trainer is None:
+            logger.warning("fasttune: FastPatchCallback found no Trainer calling it; a separate reference "
+                           "model, if the trainer has one, stays stock")
+            return
+        ref = getattr(trainer, "ref_model", None)
+        if ref is None or (self.ref_report is not None and patch_report(ref) is self.ref_report):
+            return  # PEFT (the policy without its adapters) or no reference; or patched at an earlier train()
+        self.ref_report = patch_reference(ref, args, self.config)
+        self.call_counts.reports["reference model"] = self.ref_report
+        if state.is_world_process_zero:
+            log_report(self.ref_report)
+
+
+class CallCounts(TrainerCallback):
+    """Logs once, after the first optimizer step, how many calls of each patched op ran fasttune's
+    kernel (``PatchReport.call_summary``), and warns for each op that ran none, with the reason.
+
+    Args:
+        reports: label ("model", "reference model") → PatchReport; more may be added until training.
+    """
+
+    def __init__(self, reports: dict[str, PatchReport] | None = None):
+        self.reports = dict(reports or {})
+        self._logged = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for report in self.reports.values():
+            report.calls.clear()  # the first step's calls, not what ran before training
+        self._logged = False
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self._logged:
+            self._logged = True
+            if state.is_world_process_zero:
+                for label, report in self.reports.items():
+                    log_calls(report, label)
         return control
 
 
 def log_report(report: PatchReport) -> None:
     """Log the report: at WARNING when something stayed stock, else at INFO."""
     logger.log(logging.WARNING if report.fallbacks else logging.INFO, "%s", report)
+
+
+def log_calls(report: PatchReport, label: str = "model") -> None:
+    """Log the run-time call counts of ``report`` at INFO, and a WARNING per op that ran no call fused."""
+    lines, warnings = report.call_summary()
+    if lines:
+        logger.info("fasttune: run-time calls of the %s (%s):\n  %s", label, report.model_type, "\n  ".join(lines))
+    for text in warnings:
+        logger.warning("fasttune: %s: %s", label, text)
+
+
+def calling_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The Trainer whose event is running ``callback`` now, found on the call stack; None if none is.
+
+    Callback events get the model, not the trainer, and TRL sets a trainer's ``ref_model`` after
+    ``on_init_end``. The Trainer's own methods call the events (``CallbackHandler.call_event`` in
+    between), so the trainer is the ``self`` of a frame a few levels up that holds this callback.
+    """
+    frame = inspect.currentframe()  # None on Pythons without frame support
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and callback in getattr(owner.callback_handler, "callbacks", ()):
+            return owner
+        frame = frame.f_back
+    return None

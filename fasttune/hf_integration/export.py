@@ -277,6 +277,32 @@ def _remove_stale_shards(out_dir: Path, keep: list[str]) -> None:
         (out_dir / "model.safetensors.index.json").unlink()
 
 
+def _writable_dir(out_dir: str | Path, name: str = "out_dir") -> Path:
+    """``out_dir`` as a Path, created and checked writable before any work: a merge can take minutes,
+    so a path that cannot receive it fails first, with the path and the reason, not at the end.
+
+    Raises:
+        TypeError: ``out_dir`` is not a str or path.
+        ValueError: it is an existing file, or the folder cannot be created or written.
+    """
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a folder path (str or os.PathLike), got {type(out_dir).__name__}")
+    path = Path(out_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}: {path} is an existing file, not a folder; pass a folder path "
+                         "(created when missing); the file was left untouched")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # A real write, not os.access: root passes os.access on read-only mounts.
+        fd, probe = tempfile.mkstemp(prefix=".fasttune-write-check-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{name}: cannot write to the folder {path}: {err.strerror or err} "
+                         f"({type(err).__name__}); nothing was written") from err
+    return path
+
+
 def save_merged(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base: str | Path | None = None,
                 dtype: torch.dtype | str = torch.bfloat16, max_shard_size: int | str = "5GB") -> Path:
     """Saves LoRA-merged weights that load with ``AutoModelForCausalLM.from_pretrained``.
@@ -286,7 +312,8 @@ def save_merged(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base: 
     Args:
         model: a ``peft.PeftModel`` (LoRA, possibly on an NF4/int8 bitsandbytes base) or a plain
             transformers model (then this is a dequantising ``save_pretrained``).
-        out_dir: destination folder (created).
+        out_dir: destination folder (created). Checked before merging: an existing file or a
+            folder that cannot be created or written is a ValueError naming it, and nothing is written.
         tokenizer: saved beside the weights when given.
         base: None merges onto the model's own base weights (dequantised when quantised). A local
             checkpoint folder or Hub id of the 16-bit original merges onto those instead, streaming
@@ -305,7 +332,7 @@ def save_merged(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base: 
         dtype = DTYPES[dtype]
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
-    out_dir = Path(out_dir)
+    out_dir = _writable_dir(out_dir)
     inner = unwrap_model(model)
     entries, rules = model_weights(model)
     in_key, out_key = _embedding_keys(inner)

@@ -6,11 +6,12 @@ import dataclasses
 import logging
 
 from transformers import Trainer
+from transformers.trainer_pt_utils import LabelSmoother
 
 from ..config import FastConfig
 from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
-from .callback import log_report
+from .callback import CallCounts, log_report
 from .distributed import DistributedHeadCallback, gathered_weights, release_fsdp_checkpointing, set_ddp_defaults
 from .throughput import ThroughputMeter
 
@@ -44,7 +45,7 @@ class FastTrainerMixin:
 
     def _fast_before_init(self, args, kwargs, fast_config: FastConfig | None) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        self.fast_config = resolve_checkpointing(training_args, fast_config or FastConfig())
+        self.fast_config = resolve_checkpointing(training_args, FastConfig.coerce(fast_config, "fast_config"))
         set_ddp_defaults(training_args, self.fast_config)  # before the Trainer builds its DDP kwargs
 
     def _fast_after_init(self) -> None:
@@ -58,6 +59,8 @@ class FastTrainerMixin:
             self.label_smoother = None
         release_fsdp_checkpointing(self.accelerator, self.fast_config)  # before prepare(): layers are ours
         self.add_callback(DistributedHeadCallback(self.fast_config))  # ZeRO-3 head, FSDP2 gathered layers
+        self._call_counts = CallCounts({"model": self.patch_report})  # what ran fused, after the first step
+        self.add_callback(self._call_counts)
         self._throughput = ThroughputMeter()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -71,15 +74,21 @@ class FastTrainerMixin:
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # compute_metrics needs logits even if the caller left the model in training mode.
         head = head_forward(find_causal_lm(model))
-        if head is None or prediction_loss_only:
+        if head is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        saved, head.return_logits = head.return_logits, True
+        # Label smoothing moved into the fused head (_fast_after_init) serves training forwards only;
+        # an eval forward takes the stock head, so give the Trainer its LabelSmoother back for this
+        # step: eval_loss is then smoothed, exactly as a stock Trainer's.
+        saved_smoother, saved_logits = self.label_smoother, head.return_logits
+        if saved_smoother is None and head.label_smoothing > 0:
+            self.label_smoother = LabelSmoother(epsilon=head.label_smoothing)
+        if not prediction_loss_only:
+            head.return_logits = True  # compute_metrics needs logits even from a model left in training mode
         try:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
-            head.return_logits = saved
+            self.label_smoother, head.return_logits = saved_smoother, saved_logits
 
     def train(self, *args, **kwargs):
         output = super().train(*args, **kwargs)
@@ -105,7 +114,7 @@ class FastTrainer(FastTrainerMixin, Trainer):
 
     Args:
         *args: as for ``transformers.Trainer``.
-        fast_config: fasttune options; ``FastConfig()`` when None.
+        fast_config: fasttune options: a FastConfig or a dict of its fields; ``FastConfig()`` when None.
         **kwargs: as for ``transformers.Trainer``.
     """
 

@@ -9,6 +9,11 @@ on top and answers those calls with its kernels, under the temperature and outpu
 a separate one, is patched too (no checkpointing; its head computes log-probabilities only). With
 PEFT the reference is the policy with its adapters disabled: the same patched head serves both.
 
+Under fp16/bf16 mixed precision, accelerate wraps a model's forward in autocast when the trainer
+prepares it (the reference model in TRL's ``__init__``, the policy in ``train()``). A fasttune head
+installed over that wrapper afterwards (the reference here, the policy by ``FastPatchCallback``)
+runs its calls under the same autocast (``trl_head_autocast``), as they would have run below it.
+
 Everything else is FastTrainer's: kernels, the Trainer's checkpointing flag as fasttune's
 checkpointer, throughput in the logs, export and push at the end of ``train()``.
 """
@@ -16,6 +21,7 @@ checkpointer, throughput in the logs, export and push at the end of ``train()``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -23,8 +29,10 @@ import torch
 import trl
 
 from ..config import FastConfig
-from ..model_patches import find_causal_lm, patch_model, patch_report
+from ..model_patches import PatchReport, find_causal_lm, patch_model, patch_report
 from ..model_patches.head import TrlHeadSettings, configure_trl_head, head_forward, install_trl_head
+from ..model_patches.report import describe_forward
+from ..model_patches.trl_head import provides_fused_head
 from .callback import log_report
 from .throughput import ThroughputMeter
 from .distributed import set_ddp_defaults
@@ -63,9 +71,27 @@ def trl_head_settings(args, reference: bool = False) -> TrlHeadSettings | None:
     return None
 
 
+def trl_head_autocast(base):
+    """When ``base.forward`` is accelerate's mixed-precision wrapper around TRL's fused head: a
+    callable returning the autocast context the wrapper enters. Else None.
+
+    ``Accelerator.prepare_model`` under fp16/bf16 replaces ``model.forward`` by autocast + outputs
+    to fp32 around it and keeps the forward it wrapped as ``model._original_forward`` (what
+    accelerate's own ``unwrap_model`` reads); the context is ``get_mixed_precision_context_manager``'s,
+    read from the accelerator state at each call as the wrapper's was at prepare time.
+    """
+    from accelerate.utils import get_mixed_precision_context_manager
+
+    current, inner = base.__dict__.get("forward"), base.__dict__.get("_original_forward")
+    if current is None or inner is None or current is inner or not provides_fused_head(inner):
+        return None
+    return functools.partial(get_mixed_precision_context_manager, True)
+
+
 def attach_trl_head(model, args, config: FastConfig | None = None) -> bool:
     """Make fasttune's head answer TRL's ``fused_lm_head=True`` calls on a model ``patch_model``
-    patched before TRL installed its head (``FastPatchCallback``: call from ``on_train_begin``).
+    patched before TRL installed its head (``FastPatchCallback``: call from ``on_train_begin``),
+    also when accelerate has wrapped the forward for mixed precision since (``trl_head_autocast``).
 
     Returns:
         True when fasttune's head answers them; False leaves TRL's head answering (unknown
@@ -76,10 +102,38 @@ def attach_trl_head(model, args, config: FastConfig | None = None) -> bool:
     report = patch_report(model)
     if settings is None or report is None or not config.fused_logprobs:
         return False
-    attached = install_trl_head(find_causal_lm(model), settings, config, report)
+    base = find_causal_lm(model)
+    attached = install_trl_head(base, settings, config, report, trl_head_autocast(base))
     if not attached:
-        logger.info("fasttune: TRL's fused LM head stays in place (%s)", type(args).__name__)
+        logger.warning("fasttune: TRL's fused LM head answers %s's log-probability calls, not fasttune's: "
+                       "%s.forward is %s, neither fasttune's head nor TRL's over it", type(args).__name__,
+                       type(base).__name__, describe_forward(base.__dict__.get("forward")))
     return attached
+
+
+def patch_reference(ref_model, args, config: FastConfig) -> PatchReport:
+    """Patch a TRL trainer's separate reference model and point its head at TRL's reference settings.
+
+    No checkpointing: the reference only runs forward, under no_grad. TRL has already added its
+    head and accelerate may have wrapped the forward for mixed precision: fasttune's head goes on
+    top and runs under that wrapper's autocast (``trl_head_autocast``).
+
+    Args:
+        ref_model: the trainer's ``ref_model``.
+        args: the trainer's config (its reference head settings, ``trl_head_settings``).
+        config: fasttune's options.
+
+    Returns:
+        The reference model's PatchReport.
+    """
+    autocast = trl_head_autocast(find_causal_lm(ref_model))  # before patching: the wrapper is on top now
+    report = patch_model(ref_model, dataclasses.replace(config, checkpointing=None))
+    head = head_forward(find_causal_lm(ref_model))
+    if head is not None:
+        head.autocast = autocast
+        if config.fused_logprobs:
+            head.trl_settings = trl_head_settings(args, reference=True)
+    return report
 
 
 class _TrlThroughput(ThroughputMeter):
@@ -105,7 +159,7 @@ class FastTrlTrainerMixin(FastTrainerMixin):
     def __init__(self, *args, fast_config: FastConfig | None = None, **kwargs):
         pos = self._args_position
         training_args = kwargs.get("args", args[pos] if len(args) > pos else None)
-        self.fast_config = resolve_checkpointing(training_args, fast_config or FastConfig())
+        self.fast_config = resolve_checkpointing(training_args, FastConfig.coerce(fast_config, "fast_config"))
         set_ddp_defaults(training_args, self.fast_config)
         super().__init__(*args, **kwargs)
         self._fast_after_init()
@@ -122,15 +176,15 @@ class FastTrlTrainerMixin(FastTrainerMixin):
         self.ref_patch_report = None
         settings = trl_head_settings(self.args) if self.fast_config.fused_logprobs else None
         if settings is None or not configure_trl_head(find_causal_lm(self.model), settings):
-            logger.info("fasttune: TRL's own fused LM head answers %s's log-probability calls", type(self).__name__)
+            # Asked for (fused_logprobs on) but not possible: say so loudly; the run-time counts will too.
+            logger.log(logging.WARNING if self.fast_config.fused_logprobs else logging.INFO,
+                       "fasttune: TRL's own fused LM head answers %s's log-probability calls", type(self).__name__)
         ref = getattr(self, "ref_model", None)
         if ref is not None:
-            # The reference model only runs forward under no_grad: nothing to checkpoint.
-            self.ref_patch_report = patch_model(ref, dataclasses.replace(self.fast_config, checkpointing=None))
+            self.ref_patch_report = patch_reference(ref, self.args, self.fast_config)
+            self._call_counts.reports["reference model"] = self.ref_patch_report
             if self.is_world_process_zero():
                 log_report(self.ref_patch_report)
-            if self.fast_config.fused_logprobs:
-                configure_trl_head(find_causal_lm(ref), trl_head_settings(self.args, reference=True))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.fast_config.log_throughput and model.training and "prompt_mask" in inputs:
@@ -188,4 +242,4 @@ class FastRLOOTrainer(FastTrlTrainerMixin, trl.RLOOTrainer):
 
 
 __all__ = ["FastDPOTrainer", "FastGRPOTrainer", "FastKTOTrainer", "FastRLOOTrainer", "FastSFTTrainer",
-           "FastTrlTrainerMixin", "attach_trl_head", "trl_head_settings"]
+           "FastTrlTrainerMixin", "attach_trl_head", "patch_reference", "trl_head_autocast", "trl_head_settings"]

@@ -295,7 +295,7 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as float32 (fp32 accumulation for half-precision operands)."""
-    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=torch.float32)
+    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=torch.float32)  # beta = 0: written, never read
     addmm_fp32_(out, a, b, beta=0.0)
     return out
 
@@ -341,13 +341,15 @@ def head_chunks(hidden, weight, bias, rows, workspace_mib, run_pass, *, need_h=F
     f32 = dict(device=hidden.device, dtype=torch.float32)
     dh = dw32 = db32 = None
     if need_h:
+        # All rows are written chunk by chunk; with compaction, unprocessed rows must read as zero.
         dh = (torch.empty if rows is None else torch.zeros)(N, D, device=hidden.device, dtype=hidden.dtype)
     if need_w:
-        dw32 = (torch.zeros if n == 0 else torch.empty)(V, D, **f32)
+        dw32 = (torch.zeros if n == 0 else torch.empty)(V, D, **f32)  # the first chunk writes it with beta = 0
     if need_b:
         db32 = torch.zeros(V, **f32)
     if n == 0:
         return dh, dw32, db32
+    # Workspace: each chunk's product writes ws[:e - s] before anything reads it.
     ws = torch.empty(min(chunk, n), V, device=hidden.device, dtype=hidden.dtype)
     wt = weight.t()
     for s in range(0, n, chunk):
@@ -384,4 +386,4 @@ def finish_grad(acc32: torch.Tensor | None, dtype: torch.dtype, factor=None):
     if dtype == torch.float32:
         return acc32.mul_(factor)
     # One pass: the product is formed in fp32 and rounded once, on the store.
-    return torch.mul(acc32, factor, out=torch.empty(acc32.shape, device=acc32.device, dtype=dtype))
+    return torch.mul(acc32, factor, out=torch.empty(acc32.shape, device=acc32.device, dtype=dtype))  # out only

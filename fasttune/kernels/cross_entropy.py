@@ -170,6 +170,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         recompute = not scalar and (need_w or need_b)
         grad_now = any(need) and not recompute
         f32 = dict(device=dev, dtype=torch.float32)
+        # head_chunks covers the count processed rows in chunks; the pass stores every row.
         loss_c, lse_c = torch.empty(count, **f32), torch.empty(count, **f32)
         ent_c = torch.empty(count, **f32) if opts.return_stats else None
         cor_c = torch.empty(count, device=dev, dtype=torch.int8) if opts.return_stats else None
@@ -257,7 +258,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, labels, opts: _Options, count: int, num_items):
         N = logits.shape[0]
         f32 = dict(device=logits.device, dtype=torch.float32)
-        loss_rows, lse = torch.empty(N, **f32), torch.empty(N, **f32)
+        loss_rows, lse = torch.empty(N, **f32), torch.empty(N, **f32)  # one program per row stores both
         _launch(opts, logits, labels, lse, loss=loss_rows)
         w = _reduction_weight(opts, count, num_items, logits.device)
         ctx.save_for_backward(logits, labels, lse, w)
@@ -268,7 +269,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @first_order_only
     def backward(ctx, g):
         logits, labels, lse, w = ctx.saved_tensors
-        dx = torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
+        dx = torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)  # every row, every column stored
         if ctx.opts.reduction == "none":
             _launch(ctx.opts, logits, labels, lse, dx=dx, row_w=g.float().contiguous(), scale=w)
         else:

@@ -112,6 +112,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, opts: _Options, need):
         N = hidden.shape[0]
         f32 = dict(device=hidden.device, dtype=torch.float32)
+        # head_chunks covers rows [0, N) in chunks and the pass stores each row's values.
         logp, lse = torch.empty(N, **f32), torch.empty(N, **f32)
         ent = torch.empty(N, **f32) if opts.entropy else None
 

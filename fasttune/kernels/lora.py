@@ -34,8 +34,10 @@ projection whose A is None has no adapter (only q and v targeted, say). ``lora_o
 ``lora_linear``. The gated MLP lives in ``lora_glu.py`` (``lora_mlp``).
 
 Dtypes: x is float32, float16 or bfloat16 and sets the compute dtype. A dense W must have x's
-dtype; an NF4 W is dequantised straight to it (rounded to its QuantState dtype first, like
-bitsandbytes' ``dequantize_4bit(...).to(x.dtype)``). A and B may be x's dtype or float32 (PEFT
+dtype; an NF4 W is read as bitsandbytes' ``matmul_4bit`` reads it: dequantised straight to x's
+dtype in the forward (``gemm_4bit``), rounded to its QuantState dtype first for dX
+(``dequantize_4bit(...).to(dy.dtype)``), so QLoRA with an fp32 compute dtype over a bf16-loaded
+checkpoint is exact against PEFT + bitsandbytes. A and B may be x's dtype or float32 (PEFT
 upcasts adapters to float32 by default); they are used in x's dtype, as under torch.autocast,
 and their gradients come back in their own dtype. A bias is cast to x's dtype (as bitsandbytes
 does). Under an active torch.autocast, x (and a dense W of another dtype) are first cast to the
@@ -121,12 +123,18 @@ class BaseWeight:
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
-    def materialize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def materialize(self, out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                    for_grad_input: bool = False) -> torch.Tensor:
         """The full-precision weight [out, in].
 
         Dense: the tensor itself (a cast copy when ``dtype`` differs). NF4: dequantised into
         ``out`` (any contiguous buffer with at least ``numel`` elements; its dtype wins) or a new
-        tensor of ``dtype`` (default: the QuantState's).
+        tensor of ``dtype`` (default: the QuantState's), the way bitsandbytes' ``matmul_4bit``
+        reads it when the compute dtype differs from the QuantState's: rounded once, straight
+        to the compute dtype, for the forward product (its ``gemm_4bit``); rounded to the
+        QuantState's dtype first with ``for_grad_input`` (its backward,
+        ``dequantize_4bit(...).to(dy.dtype)``). fp32 compute over a bf16 QuantState: the exact
+        fp32 weight forward, the bf16-rounded one in dX = dY W (``nf4.py``).
         """
         if not self.is_nf4:
             return self.weight if dtype in (None, self.weight.dtype) else self.weight.to(dtype)
@@ -135,14 +143,15 @@ class BaseWeight:
                 raise ValueError(f"out must be contiguous with at least {self.numel} elements")
             out = out.view(-1)[: self.numel].view(self.shape)
         elif dtype is not None:
-            out = torch.empty(self.shape, dtype=dtype, device=self.weight.device)
-        return dequantize_nf4(self.weight, self.quant_state, out=out)
+            out = torch.empty(self.shape, dtype=dtype, device=self.weight.device)  # dequantised over whole
+        return dequantize_nf4(self.weight, self.quant_state, out=out, round_to_state=for_grad_input)
 
 
 def scratch_for(bases, dtype: torch.dtype, device) -> torch.Tensor | None:
     """One buffer big enough for the largest NF4 weight among ``bases`` (None when all dense):
     each projection is dequantised into it in turn, so one layer never holds two weights."""
     sizes = [b.numel for b in bases if b.is_nf4]
+    # Uninitialised is safe: each weight is dequantised over the prefix it then reads.
     return torch.empty(max(sizes), dtype=dtype, device=device) if sizes else None
 
 
@@ -257,7 +266,7 @@ def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | N
     the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``."""
     dx = None if dyb is None else torch.mm(dyb, a_stacked)
     for dy, base in zip(dys, bases):
-        w = base.materialize(out=scratch, dtype=dy.dtype)
+        w = base.materialize(out=scratch, dtype=dy.dtype, for_grad_input=True)
         dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
     return dx
 

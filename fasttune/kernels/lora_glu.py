@@ -106,7 +106,7 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor | 
     further apart: the first columns of a widened input); default a new tensor."""
     _check_flat(gate=g, up=u)
     if out is None:
-        out = torch.empty_like(g)
+        out = torch.empty_like(g)  # every element stored
     elif out.shape != g.shape or out.dtype != g.dtype or out.stride(1) != 1 or out.device != g.device:
         raise ValueError(f"out must be a {tuple(g.shape)} {g.dtype} tensor on {g.device} with unit column stride")
     if use_triton(g, u):
@@ -157,6 +157,9 @@ class LoRAMLPFunction(torch.autograd.Function):
         hcat = None
         if not output_unused and wide_columns((down,), d_adapters, x.dtype) is not None:
             hcat = x2.new_empty((x2.shape[0], g.shape[1] + down.wide.extra))
+            # H·A_dᵀ reads H before project_wide fills the tail, and a GEMM may read past a row's
+            # end (spare_columns.output_rows): zeros there, never garbage.
+            hcat[:, g.shape[1]:].zero_()
         h = glu_forward(g, u, act, out=None if hcat is None else hcat[:, : g.shape[1]])
         ha, ctx.a_d = stacked_xa(h, d_adapters)
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed

@@ -119,6 +119,7 @@ def widened_input(x2: torch.Tensor, extra: int, out: torch.Tensor | None = None)
     holds it there, as the GLU kernel leaves H); the tail is filled by ``project_wide``."""
     if out is not None:
         return out
+    # X copied in now; project_wide writes the whole tail before the widened products read it.
     xcat = x2.new_empty((x2.shape[0], x2.shape[1] + extra))
     xcat[:, : x2.shape[1]].copy_(x2)
     return xcat

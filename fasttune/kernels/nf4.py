@@ -12,8 +12,16 @@ and with double quantisation (``state.nested``) the per-block scale is itself 8-
 Both products and the sum are single fp32 operations in that order (the kernel is compiled
 without FMA contraction), and the result is rounded once, to nearest even, to ``state.dtype``:
 exactly what ``bitsandbytes.functional.dequantize_4bit`` computes on CUDA and in its PyTorch
-path. An ``out`` buffer of another dtype receives that rounded value cast again, i.e.
-``dequantize_4bit(...).to(out.dtype)`` (what bitsandbytes' matmul does with a compute dtype).
+path. An ``out`` buffer of another dtype can take either of bitsandbytes' two readings of a
+weight whose compute dtype differs from ``state.dtype`` (bitsandbytes 0.50, ``matmul_4bit``):
+
+- ``round_to_state=True`` (default): that rounded value cast again, i.e.
+  ``dequantize_4bit(...).to(out.dtype)``, what its backward multiplies the output gradient by;
+- ``round_to_state=False``: the fp32 value rounded once, straight to ``out.dtype``, what its
+  forward (``gemm_4bit``: dequantise to the input's dtype, then a plain product) multiplies by.
+  With a float32 compute dtype over a bfloat16 QuantState (the usual QLoRA load) that is the
+  exact fp32 weight, not a bf16-rounded one.
+
 No gradient: the weights are frozen.
 
 Limits: quant_type "nf4" only; blocksize and state2.blocksize powers of two (bitsandbytes uses
@@ -24,6 +32,7 @@ order. Unlike bitsandbytes' legacy shim, a packed tensor of shape [1, n/2] is no
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -144,7 +153,7 @@ def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int) -> None:
+def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state: bool) -> None:
     device = packed.device
     data = _as_bytes(packed)
     n_bytes = (n + 1) // 2
@@ -164,16 +173,19 @@ def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int) -> None:
         code2 = absmax2 = offset = absmax  # unused pointers
         blocksize2 = 1
     grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
+    # Not rounding to the state's dtype = rounding to out's: the kernel's second cast drops out.
+    state_dtype = qs.dtype if round_to_state else out.dtype
     _nf4_dequant_kernel[grid](
         data, _nf4_table(device), absmax, code2, absmax2, offset, out,
         n, n_bytes,
         BLOCKSIZE=qs.blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
-        STATE_DTYPE=_TL_DTYPE[qs.dtype], OUT_DTYPE=_TL_DTYPE[out.dtype], BYTES=_BYTES_PER_PROGRAM,
+        STATE_DTYPE=_TL_DTYPE[state_dtype], OUT_DTYPE=_TL_DTYPE[out.dtype], BYTES=_BYTES_PER_PROGRAM,
         num_warps=4, enable_fp_fusion=False,  # bitsandbytes multiplies then adds: no FMA
     )
 
 
-def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,
+                   round_to_state: bool = True) -> torch.Tensor:
     """Dequantise a bitsandbytes NF4 weight, bit-exact with ``bitsandbytes.functional.dequantize_4bit``.
 
     Args:
@@ -182,7 +194,10 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
             ``nested``, ``offset``, ``state2``); duck-typed.
         out: optional contiguous buffer of shape ``quant_state.shape`` to write into, so callers
             can reuse one buffer instead of keeping each full-precision weight. Its dtype may
-            differ from ``quant_state.dtype``: values are rounded to ``quant_state.dtype`` first.
+            differ from ``quant_state.dtype`` (see ``round_to_state``).
+        round_to_state: for an ``out`` of another dtype, round to ``quant_state.dtype`` first
+            (``dequantize_4bit(...).to(out.dtype)``, bitsandbytes' backward); False rounds once,
+            straight to ``out.dtype`` (bitsandbytes' ``gemm_4bit`` forward). Module docstring.
 
     Returns:
         ``out``, or a new tensor of ``quant_state.shape`` and ``quant_state.dtype``.
@@ -190,13 +205,16 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
     n = _check_state(packed, quant_state)
     check_same_device(packed=packed, absmax=quant_state.absmax)
     if out is None:
-        out = torch.empty(tuple(quant_state.shape), dtype=quant_state.dtype, device=packed.device)
+        out = torch.empty(tuple(quant_state.shape), dtype=quant_state.dtype, device=packed.device)  # all stored
     else:
         _check_out(out, quant_state, packed)
     if n == 0:
         return out
     if use_triton(packed, out):
-        _launch(packed, quant_state, out, n)
+        _launch(packed, quant_state, out, n, round_to_state)
         return out
+    if not round_to_state and out.dtype != quant_state.dtype:
+        quant_state = copy.copy(quant_state)  # a shallow copy: the reference rounds to its dtype
+        quant_state.dtype = out.dtype
     out.copy_(reference.dequantize_nf4(packed, quant_state))
     return out

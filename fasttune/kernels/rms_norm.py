@@ -276,6 +276,7 @@ def _fwd(x, residual, weight, eps, offset, casting, spare=None):
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
     # Rows of y may be longer than H: spare columns a widened LoRA group fills (spare_columns.py).
     y, y_row = output_rows(x.shape, out_dtype, x.device, spare)
+    # The forward kernel stores every element of s (pass 1) and every row's rstd.
     s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
@@ -304,6 +305,8 @@ def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
     x2, dy2, weight = _as_rows(x, n_cols), _as_rows(dy, n_cols), weight.contiguous()
     ds2 = _as_rows(ds, n_cols) if ds is not None else None
     n_rows = x2.shape[0]
+    # Uninitialised is safe: dx gets every element; each program stores its whole row of the
+    # dw partials (every program of the grid has rows, _bwd_programs), C is read only where written.
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if need_dx else None
     llama = casting == "llama"
     block_h = triton.next_power_of_2(n_cols)

@@ -199,7 +199,7 @@ class RopeFunction(torch.autograd.Function):
         if inplace:
             qo, ko = q, k
         else:
-            qo, ko = torch.empty_like(q), torch.empty_like(k)
+            qo, ko = torch.empty_like(q), torch.empty_like(k)  # rotated and pass-through dims all stored
         _launch(q, k, qo, ko, cos, sin, position_ids, backward=False)
         if inplace:
             # Anyone who saved the pre-rotation q/k now fails its version check (see docstring).
@@ -212,6 +212,7 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
+        # Out of place: the kernel stores the rotated and the pass-through dims of every head.
         dqi = torch.empty_like(dq) if dq is not None else None
         dki = torch.empty_like(dk) if dk is not None else None
         if dq is not None or dk is not None:

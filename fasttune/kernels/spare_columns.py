@@ -7,7 +7,8 @@ is the output of a kernel that can write rows with any stride (the RMSNorm befor
 gate/up), that kernel can leave the R columns free instead:
 
 - the producer owns a ``SpareColumns`` (its standing offer, width 0 at first) and allocates each
-  output with ``output_rows``: rows ``width`` elements longer than the output, which it tags;
+  output with ``output_rows``: rows ``width`` elements longer than the output, which it tags, the
+  spare columns zeroed (a GEMM over X may read them before any tail is written);
 - a consumer calls ``spare_input(x2, extra)``: it records the width it needs (``request``) and,
   once an output carries at least that many spare columns, gets an [N, in + extra] alias of the
   buffer whose first ``in`` columns are X, and writes its tail there.
@@ -67,6 +68,10 @@ def output_rows(shape, dtype: torch.dtype, device, spare: SpareColumns | None) -
     if width == 0:
         out = buf
     else:
+        # Written now, not only by the consumer: products over X read its rows' spare columns
+        # before the tail is filled (CPU bf16 GEMMs read past a padded row's end, whole blocks
+        # at a time), and 0·NaN = NaN, so garbage there would turn X·Aᵀ NaN at random.
+        buf[..., cols:].zero_()
         out = storage_alias(buf, shape, buf.stride(), 0)  # the buffer's own row-major strides
     if spare is not None:
         setattr(out, _TAG, (spare, row))

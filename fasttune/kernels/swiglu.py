@@ -131,7 +131,7 @@ def _block(n_cols: int) -> tuple[int, int]:
 def _fwd(gate, up, act):
     n_cols = gate.shape[-1]
     g2, u2 = _as_rows(gate, n_cols), _as_rows(up, n_cols)
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # every element stored by the kernel
     y2 = y.view(-1, n_cols)
     if y.numel():
         g2, u2, y2 = _flatten(g2, u2, y2)
@@ -168,6 +168,7 @@ def _bwd(dy, gate, up, act, need_dg, need_du, reuse_g, reuse_u):
     # A copy made by _as_rows is as good a buffer as a fresh one: it is ours either way.
     reuse_g = reuse_g or g2.untyped_storage().data_ptr() != gate.untyped_storage().data_ptr()
     reuse_u = reuse_u or u2.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+    # Uninitialised is safe: the kernel stores every element of dG and dU.
     dg2 = (g2 if reuse_g else torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)) if need_dg else None
     du2 = (u2 if reuse_u else torch.empty(u2.shape, dtype=up.dtype, device=up.device)) if need_du else None
     if dy2.numel():

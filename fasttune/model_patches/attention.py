@@ -32,7 +32,7 @@ from torch import nn
 
 from ..config import FastConfig
 from .families import FamilySpec
-from .instance import PatchedForward, few_rows_without_grad, stock_forward, swap_forward
+from .instance import DECODE_STEP, PatchedForward, few_rows_without_grad, stock_forward, swap_forward
 from .patch import family_class
 from .report import PatchReport
 
@@ -103,11 +103,14 @@ class FastAttentionForward(PatchedForward):
         self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
 
     def _rope(self, q, k, cos, sin):
-        if self.use_rope_kernel and _rope_fits(q, k, cos, sin) and not (
-                self.stock_rope is not None and few_rows_without_grad(q.shape[0] * q.shape[2])):  # B·S tokens
-            from ..kernels.rope import apply_rope
+        if self.use_rope_kernel:
+            decode = self.stock_rope is not None and few_rows_without_grad(q.shape[0] * q.shape[2])  # B·S tokens
+            if _rope_fits(q, k, cos, sin) and not decode:
+                from ..kernels.rope import apply_rope
 
-            return apply_rope(q, k, cos, sin)
+                self.count()
+                return apply_rope(q, k, cos, sin)
+            self.count(DECODE_STEP if decode else "q/k/cos/sin outside the kernel's domain (dtype, rotary width)")
         if self.stock_rope is None:  # patched with the kernel but this call does not fit it
             from ..kernels.reference import apply_rope as reference_rope
 
@@ -128,6 +131,8 @@ class FastAttentionForward(PatchedForward):
             cache = past_key_values
         if few_rows_without_grad(hidden_states.numel() // max(1, hidden_states.shape[-1])):
             # A decode step: the stock forward (no kernel here pays off; fewer Python frames).
+            if self.use_rope_kernel:
+                self.count(DECODE_STEP)
             if cache is not None:
                 kwargs = {**kwargs, ("cache" if self.cache_kwargs else "past_key_values"): cache}
             return self.stock(hidden_states, position_embeddings, attention_mask, **kwargs)
@@ -260,7 +265,7 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
         fwd = FastAttentionForward(module, stock, spec, eager=eager, stock_rope=stock_rope, functions=functions,
                                    cache_kwargs=cache_kwargs, use_rope_kernel=config.rope)
         swap_forward(module, fwd, report)
-        report.add(op)
+        report.add(op, counted=config.rope)  # the LoRA hook points alone run no kernel of their own
 
 
 def attention_forward(module: nn.Module) -> FastAttentionForward | None:

@@ -10,10 +10,18 @@ It also answers TRL's fused-LM-head protocol (``model(..., labels=..., fused_lm_
 temperature and outputs TRL configured (``TrlHeadSettings``, set by ``configure_trl_head`` or
 ``install_trl_head``). When TRL's own head sits below ours and nobody told us its settings, the
 call goes to TRL's head: its temperature is not knowable from here, and a guess could be wrong.
+
+Where it differs from stock on purpose: a training batch whose labels are all ignored (-100) gives
+loss 0.0 and zero gradients where stock's mean gives NaN, with a warning once per head (truncation
+usually cut every completion). An input id outside the embedding raises ``TokenIdError`` naming the
+id, its (batch, position) and the vocabulary size, where stock raises a bare IndexError; the ids are
+only inspected once the forward has failed (no host sync on the normal path; on CUDA the device-side
+assert leaves nothing to inspect, so that error stays stock's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -67,6 +75,12 @@ class FusedLossCausalLMForward(PatchedForward):
         # What TRL configured its fused head with; None: unknown (see _answers_fused).
         self.trl_settings: TrlHeadSettings | None = None
         self._warned_delegation = False
+        self._warned_all_ignored = False
+        # Set by install_trl_head: the autocast of the mixed-precision wrapper ours went over (a
+        # callable returning the context), and whether a fasttune head lies below TRL's (it counts
+        # the plain calls this one passes down).
+        self.autocast = None
+        self.over_fasttune_head = False
 
     # -- helpers ------------------------------------------------------------------------------
     def _head_params(self):
@@ -97,7 +111,8 @@ class FusedLossCausalLMForward(PatchedForward):
 
     def _backbone(self, args, kwargs):
         backbone = getattr(self.module, self.module.base_model_prefix)
-        out = backbone(*args, **kwargs)
+        with self._token_ids_explained(args, kwargs):
+            out = backbone(*args, **kwargs)
         return out, (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
 
     def _flat_inputs(self, hidden, labels, shift_labels, weight, fp32=False):
@@ -125,14 +140,69 @@ class FusedLossCausalLMForward(PatchedForward):
                             ("num_items_in_batch", num_items_in_batch)):
             if value is not None:
                 kwargs[name] = value
-        return self.stock(*args, **kwargs)
+        with self._token_ids_explained(args, kwargs):
+            return self.stock(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _token_ids_explained(self, args, kwargs):
+        """Re-raise the embedding's IndexError for an out-of-range input id as a ``TokenIdError``
+        with the details. The ids are read only after a failure: the normal path pays nothing."""
+        try:
+            yield
+        except (IndexError, RuntimeError) as err:
+            detail = out_of_range_token(kwargs.get("input_ids", args[0] if args else None),
+                                        self.module.get_input_embeddings())
+            if detail is None:
+                raise
+            raise TokenIdError(detail) from err
+
+    def _warn_if_all_ignored(self, y: torch.Tensor) -> None:
+        # Checked until it fires once: the sync sits next to the one the loss makes anyway (label_summary).
+        if self._warned_all_ignored or bool((y != IGNORE_INDEX).any()):
+            return
+        self._warned_all_ignored = True
+        logger.warning("fasttune: a training batch has no label to learn from (every label is %d): its loss is "
+                       "0.0 with zero gradients, where a stock mean loss gives NaN. This usually means "
+                       "truncation (max_length) cut every completion, or the prompt/assistant mask covers "
+                       "the whole sequence. Warned once.", IGNORE_INDEX)
+
+    def _stock_reason(self, fused_lm_head, has_labels, params, kwargs) -> str:
+        """Why this call runs the forward below ours (the run-time counts; stock path only)."""
+        weight = None if params is None else params[0]
+        if fused_lm_head and has_labels:
+            moe_aux = kwargs.get("output_router_logits") or getattr(self.module.config, "output_router_logits", False)
+            if not self.fused_logprobs:
+                why = "FastConfig.fused_logprobs is off"
+            elif moe_aux:
+                why = "MoE router logits asked (aux loss)"
+            elif weight is None or weight.dtype not in _KERNEL_DTYPES:
+                why = _weight_reason(weight)
+            else:
+                why = "TRL's temperature and outputs unknown here"
+            return f"fused_lm_head call left to TRL's head: {why}"
+        if not has_labels:
+            return "no labels (generation, or a forward without loss)"
+        if not self.module.training:
+            return "eval mode (logits computed)"
+        if self.return_logits:
+            return "FastConfig.return_logits asks for logits"
+        if weight is None or weight.dtype not in _KERNEL_DTYPES:
+            return _weight_reason(weight)
+        return "logits_to_keep asks for logits"
 
     # -- forward ------------------------------------------------------------------------------
-    def __call__(self, *args, labels=None, shift_labels=None, num_items_in_batch=None,
+    def __call__(self, *args, **kwargs):
+        if self.autocast is None:
+            return self._forward(*args, **kwargs)
+        with self.autocast():  # the mixed precision the wrapper below ours would have run this call in
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, labels=None, shift_labels=None, num_items_in_batch=None,
                  fused_lm_head=False, **kwargs):
         params = self._head_params()
         has_labels = labels is not None or shift_labels is not None
         if fused_lm_head and has_labels and self._answers_fused(params, kwargs):
+            self.count()
             return self._trl_fused(args, kwargs, labels, shift_labels, num_items_in_batch, params)
         if fused_lm_head:
             kwargs["fused_lm_head"] = True  # let TRL's own head (if installed) answer
@@ -140,11 +210,15 @@ class FusedLossCausalLMForward(PatchedForward):
                  and self.module.training and not self.return_logits
                  and not fused_lm_head and kwargs.get("logits_to_keep", 0) in (0, None))
         if not fused:
+            if fused_lm_head or not self.over_fasttune_head:  # else the head below counts the call
+                self.count(self._stock_reason(fused_lm_head, has_labels, params, kwargs))
             return self._call_stock(args, kwargs, labels, shift_labels, num_items_in_batch)
+        self.count()
         kwargs.pop("logits_to_keep", None)
         outputs, hidden = self._backbone(args, kwargs)
         weight, bias = params
         h, y, weight, _ = self._flat_inputs(hidden, labels, shift_labels, weight)
+        self._warn_if_all_ignored(y)
         loss = fused_linear_cross_entropy(
             h, weight, y, bias, ignore_index=IGNORE_INDEX, num_items_in_batch=num_items_in_batch,
             label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
@@ -208,6 +282,33 @@ def _is_linear(head) -> bool:
     return fsdp is not None and type(head).__bases__ == (fsdp, nn.Linear)
 
 
+def _weight_reason(weight) -> str:
+    """Why the lm_head weight keeps a call stock (``_head_params`` gave None, or a dtype the kernels lack)."""
+    if weight is None:
+        return "lm_head weight not usable whole here (wrapped, quantised or sharded)"
+    return f"lm_head weight is {str(weight.dtype).replace('torch.', '')}"
+
+
+class TokenIdError(ValueError, IndexError):
+    """An input id outside the embedding (an IndexError too, like stock's error, for old handlers)."""
+
+
+def out_of_range_token(input_ids, embedding: nn.Module) -> str | None:
+    """The message for the first input id outside ``embedding``'s rows, or None when all are inside
+    (or they cannot be read: not a CPU integer tensor; after a CUDA device-side assert nothing can)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.is_cuda or input_ids.is_floating_point():
+        return None
+    vocab = getattr(embedding, "num_embeddings", None) or getattr(embedding, "weight", torch.empty(0)).shape[0]
+    bad = (input_ids < 0) | (input_ids >= vocab)
+    if not vocab or not bool(bad.any()):
+        return None
+    first = tuple(bad.nonzero()[0].tolist())
+    where = f"(batch {first[0]}, position {first[1]})" if len(first) == 2 else f"index {first}"
+    return (f"input_ids: token id {int(input_ids[first])} at {where} is outside the embedding's {vocab} rows "
+            f"(valid ids 0..{vocab - 1}); {int(bad.sum())} id(s) of this batch are out of range. A tokenizer "
+            "with added tokens needs model.resize_token_embeddings(len(tokenizer)).")
+
+
 def _is_local(t) -> bool:
     """None, or a tensor whose data is a plain ``torch.Tensor`` (not a DTensor shard)."""
     return t is None or type(t.data) is torch.Tensor
@@ -259,7 +360,7 @@ def patch_head(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCon
         report.fallback("cross_entropy", where, "config.logit_scale is not modelled for this family")
         return
     swap_forward(base, FusedLossCausalLMForward(base, stock, HeadExtras.from_config(spec, base.config), config), report)
-    report.add("cross_entropy")
+    report.add("cross_entropy", counted=True)
 
 
 def head_forward(model: nn.Module) -> FusedLossCausalLMForward | None:
@@ -278,10 +379,21 @@ def configure_trl_head(base: nn.Module, settings: TrlHeadSettings | None) -> boo
     return True
 
 
-def install_trl_head(base: nn.Module, settings: TrlHeadSettings, config: FastConfig, report: PatchReport) -> bool:
+def install_trl_head(base: nn.Module, settings: TrlHeadSettings, config: FastConfig, report: PatchReport,
+                     autocast=None) -> bool:
     """Put fasttune's head back on top after TRL wrapped it (TRL adds its fused head after a
     callback's ``on_init_end``): a new fused-loss forward over TRL's, configured with ``settings``,
     its undo registered on ``report``. Only where ``patch_model`` had installed the head.
+
+    Args:
+        base: the ``*ForCausalLM``.
+        settings: what TRL configured its head with.
+        config: fasttune's options.
+        report: the model's report (its undo list, its run-time counts).
+        autocast: None when ``base.forward`` is TRL's head itself. When it is a mixed-precision
+            wrapper around TRL's head (accelerate's; ``hf_integration`` recognises it), a callable
+            returning the wrapper's autocast context: fasttune's head goes over the wrapper and
+            runs every call under that context, as the call would have run below it.
 
     Returns:
         True when fasttune's head answers ``fused_lm_head=True`` calls of ``base`` afterwards.
@@ -290,10 +402,13 @@ def install_trl_head(base: nn.Module, settings: TrlHeadSettings, config: FastCon
         return True
     current = base.__dict__.get("forward")
     spec = family_for(getattr(base.config, "model_type", None))
-    if spec is None or not report.patched["cross_entropy"] or not provides_fused_head(current):
+    trl_below = autocast is not None or provides_fused_head(current)
+    if spec is None or not report.patched["cross_entropy"] or not trl_below:
         return False
     head = FusedLossCausalLMForward(base, current, HeadExtras.from_config(spec, base.config), config)
     head.trl_settings = settings
+    head.autocast = autocast
+    head.over_fasttune_head = True  # TRL's head wrapped the one patch_model installed
     swap_forward(base, head, report)
     return True
 

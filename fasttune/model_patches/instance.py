@@ -4,25 +4,36 @@ The replacement is an object of a ``PatchedForward`` subclass stored as the inst
 ``forward``: ``nn.Module.__call__`` finds it before the class method, other instances of the class
 are untouched, and ``inspect.signature`` still sees the stock signature (the Trainer picks dataset
 columns and ``generate`` validates kwargs against it).
+
+Each installed forward counts its calls in its report's ``calls`` (``PatchedForward.count``, one
+Counter increment per call): what actually ran, which the patch-time report cannot say (``report.py``).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 import torch
 from torch import nn
 
-from .report import PatchReport
+from .report import FUSED, PatchReport
+
 
 class PatchedForward:
-    """Base class of replacement forwards: holds the module and the forward it replaced."""
+    """Base class of replacement forwards: holds the module and the forward it replaced.
+
+    Attributes:
+        op: the report's name of the fast path (class attribute).
+        calls: where ``count`` records each call; the report's ``calls`` once installed.
+    """
 
     op = "patched"
 
     def __init__(self, module: nn.Module, stock):
         self.module = module
         self.stock = stock
+        self.calls: Counter = Counter()
         try:
             self.__signature__ = inspect.signature(stock)
         except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
@@ -31,6 +42,10 @@ class PatchedForward:
 
     def __repr__(self) -> str:
         return f"<fasttune {type(self).__name__} of {type(self.module).__name__}>"
+
+    def count(self, outcome: str = FUSED) -> None:
+        """Count one call: ``FUSED`` when the kernel ran, else why this call took the stock path."""
+        self.calls[self.op, outcome] += 1
 
 
 class _UndoSwap:
@@ -50,8 +65,11 @@ class _UndoSwap:
 
 
 def swap_forward(module: nn.Module, patched: PatchedForward, report: PatchReport) -> None:
-    """Install ``patched`` as ``module.forward`` and register its undo on ``report``."""
+    """Install ``patched`` as ``module.forward``, counting its calls in ``report.calls``, and
+    register its undo on ``report``."""
     previous = module.__dict__.get("forward")
+    patched.calls = report.calls
+    report.installed.append((module, patched))
     module.forward = patched
     report.on_undo(_UndoSwap(module, patched, previous))
 
@@ -82,6 +100,7 @@ def signature_has(fn, *names: str) -> bool:
 # 8B shape: 0.70-0.76x stock generation tokens/s at batch 1 and 8 before this rule). Prefill,
 # evaluation on whole sequences and training keep the kernels.
 STOCK_INFERENCE_MAX_ROWS = 64
+DECODE_STEP = "a decode step (few rows, no autograd: the stock code launches fewer kernels)"  # count() reason
 
 
 def few_rows_without_grad(rows: int) -> bool:

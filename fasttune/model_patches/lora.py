@@ -36,6 +36,8 @@ read the packed weights directly, which beats dequantising them for the few rows
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -49,7 +51,7 @@ from .instance import stock_is_faster
 from .lora_specs import lora_spec
 from .lora_widen import Unwiden, widen_group
 from .mlp import check_mlp, config_activation, mlp_forward
-from .report import PatchReport
+from .report import FUSED, PatchReport
 from .zero3 import is_zero3_param, only_zero3_hooks
 
 OP_QKV, OP_O, OP_MLP = "lora_qkv", "lora_o", "lora_mlp"
@@ -152,14 +154,18 @@ class _Hook:
     """Base of the hook objects: the projections they read and the hook they replaced.
 
     Objects, not closures, so ``copy.deepcopy`` of a patched model (TRL's reference models)
-    copies them with the model.
+    copies them with the model. Each call is counted in ``calls`` (the report's, once installed):
+    ``(op, FUSED)``, or ``(op, why)`` with the reason ``call_specs`` gave.
     """
+
+    op = "lora"
 
     def __init__(self, names: tuple[str, ...], previous, widen: bool = False):
         self.names = names
         self.previous = previous
         self.widen = widen
         self._probed_disabled = False  # specs(): widening tried at a disabled-adapter call
+        self.calls: Counter = Counter()
 
     def __repr__(self) -> str:
         return f"<fasttune {type(self).__name__} over {', '.join(self.names)}>"
@@ -201,11 +207,14 @@ class _Hook:
 class LoRAQKVHook(_Hook):
     """``project_qkv`` through ``lora_qkv`` (separate q/k/v) or ``lora_linear`` (Phi-3's qkv_proj)."""
 
+    op = OP_QKV
+
     def groups(self, n: int):
         return ((0, n, True),)
 
     def __call__(self, module: nn.Module, hidden_states: torch.Tensor):
         specs = self.specs(module, hidden_states)
+        self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             return self.previous(module, hidden_states)
         if len(specs) == 3:
@@ -222,8 +231,11 @@ class LoRAQKVHook(_Hook):
 class LoRAOHook(_Hook):
     """``project_o`` through ``lora_linear``."""
 
+    op = OP_O
+
     def __call__(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor:
         specs = call_specs(module, self.names, attn_output)
+        self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             return self.previous(module, attn_output)
         return lora_linear(attn_output, *specs[0])
@@ -235,14 +247,19 @@ class LoRAMLPHook(_Hook):
 
     ``skip_unused``: the family's MLP output only enters the residual sum, so inside a checkpoint
     recompute (whose output is discarded) ``lora_mlp`` may skip the down projection.
+    ``act_op``: the MLP forward's op when it counts its activation kernel (``mlp.py``), which a
+    fused call also runs.
     """
 
+    op = OP_MLP
+
     def __init__(self, names: tuple[str, ...], previous, activation: str, stock, skip_unused: bool = False,
-                 widen: bool = False):
+                 widen: bool = False, act_op: str | None = None):
         super().__init__(names, previous, widen)
         self.activation = activation
         self.stock = stock
         self.skip_unused = skip_unused
+        self.act_op = act_op
 
     def groups(self, n: int):
         # gate/up share a copied input; lora_mlp's down reads H where the GLU kernel writes it.
@@ -250,6 +267,7 @@ class LoRAMLPHook(_Hook):
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         specs = self.specs(module, x)
+        self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             if self.previous is not None:
                 return self.previous(module, x)
@@ -257,6 +275,8 @@ class LoRAMLPHook(_Hook):
             # then computes bitwise what a fresh adapter (B = 0) computes.
             fwd = mlp_forward(module)
             return fwd.unfused(x) if fwd is not None else self.stock(x)
+        if self.act_op is not None:
+            self.calls[self.act_op, FUSED] += 1
         if len(specs) == 3:
             unused = self.skip_unused and recomputing()
             return lora_mlp(x, *specs, activation=self.activation, output_unused=unused)
@@ -282,9 +302,10 @@ class _UndoHook:
 
 
 def _install(fwd, attr: str, hook: _Hook, report: PatchReport, op: str) -> None:
+    hook.calls = report.calls
     setattr(fwd, attr, hook)
     report.on_undo(_UndoHook(fwd, attr, hook, hook.previous))
-    report.add(op)
+    report.add(op, counted=True)
 
 
 def _mlp_activation(module: nn.Module, fwd, spec: FamilySpec, base: nn.Module):
@@ -329,7 +350,7 @@ def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, 
         report.fallback(OP_MLP, name, reason)
         return
     hook = LoRAMLPHook(names, fwd.fused_mlp, activation, fwd.stock, skip_unused=not spec.mlp_output_saved,
-                       widen=config.lora_widen)
+                       widen=config.lora_widen, act_op=fwd.op if fwd.activation is not None else None)
     _install(fwd, "fused_mlp", hook, report, OP_MLP)
 
 

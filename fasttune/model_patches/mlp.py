@@ -23,7 +23,7 @@ from torch import nn
 from ..config import FastConfig
 from .attention import float_dtype
 from .families import ACTIVATIONS, FamilySpec
-from .instance import PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
+from .instance import DECODE_STEP, PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .patch import family_class
 from .report import PatchReport
 
@@ -71,16 +71,21 @@ class FastMLPForward(PatchedForward):
             from ..kernels.swiglu import geglu, swiglu
 
             gate, up = gate.contiguous(), up.contiguous()  # no-ops except for Phi-3's halves
+            self.count()
             if self.activation == "silu":
                 return swiglu(gate, up)
             return geglu(gate, up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        if self.activation is not None:
+            self.count("gate/up the kernel does not take (dtype, shape or empty)")
         return getattr(self.module, self.act_attr)(gate) * up
 
     def __call__(self, *args, **kwargs):
         x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
         if x is None or stock_is_faster(x):
+            if self.activation is not None:
+                self.count("other arguments than one tensor" if x is None else DECODE_STEP)
             return self.stock(*args, **kwargs)
-        if self.fused_mlp is not None:
+        if self.fused_mlp is not None:  # counted by the hook (lora.LoRAMLPHook), or by _act when it falls back
             return self.fused_mlp(self.module, x)
         return self.unfused(x)
 
@@ -171,7 +176,7 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
         kind = ACTIVATIONS[activation] if config.mlp else None
         fwd = FastMLPForward(module, stock_forward(module), spec.mlp_layout, kind, act_attr)
         swap_forward(module, fwd, report)
-        report.add(op)
+        report.add(op, counted=config.mlp)  # the LoRA hook point alone runs no kernel of its own
 
 
 def mlp_forward(module: nn.Module) -> FastMLPForward | None:

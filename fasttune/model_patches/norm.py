@@ -23,12 +23,13 @@ from torch import nn
 from ..config import FastConfig
 from ..kernels.spare_columns import SpareColumns
 from .families import FamilySpec
-from .instance import PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
+from .instance import DECODE_STEP, PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .patch import family_class
 from .report import PatchReport
 
 OP = "rms_norm"
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_OTHER_INPUT = "an input the kernel does not take (dtype, width or empty)"
 
 
 class FastRMSNormForward(PatchedForward):
@@ -53,11 +54,14 @@ class FastRMSNormForward(PatchedForward):
     def __call__(self, *args, **kwargs):
         x = single_input(args, kwargs)  # the stock forwards take one tensor; anything else is theirs
         if x is None or stock_is_faster(x):
+            self.count("other arguments than one tensor" if x is None else DECODE_STEP)
             return self.stock(*args, **kwargs)
         if not isinstance(x, torch.Tensor) or not self._takes(x):
+            self.count(_OTHER_INPUT)
             return self.stock(*args, **kwargs)  # float64, odd shapes: the stock math, unchanged
         from ..kernels.rms_norm import rms_norm  # the submodule: `kernels.rms_norm` is also a module name
 
+        self.count()
         eps = getattr(self.module, self.eps_attr)
         return rms_norm(x, self.module.weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
 
@@ -74,6 +78,7 @@ class FastRMSNormForward(PatchedForward):
             return self(x), x
         from ..kernels.rms_norm import rms_norm_keep
 
+        self.count()
         eps = getattr(self.module, self.eps_attr)
         return rms_norm_keep(x, self.module.weight, eps, offset=self.offset, casting=self.casting, spare=self.spare)
 
@@ -85,6 +90,7 @@ class FastRMSNormForward(PatchedForward):
             return self(s), s
         from ..kernels.rms_norm import rms_norm_add
 
+        self.count()
         eps = getattr(self.module, self.eps_attr)
         return rms_norm_add(x, residual, self.module.weight, eps, offset=self.offset, casting=self.casting,
                             spare=self.spare)
@@ -130,7 +136,7 @@ def patch_norms(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCo
         fwd = FastRMSNormForward(module, stock_forward(module), spec.norm_eps_attr, float(spec.norm_offset),
                                  spec.norm_casting)
         swap_forward(module, fwd, report)
-        report.add(OP)
+        report.add(OP, counted=True)
 
 
 __all__ = ["FastRMSNormForward", "check_norm", "patch_norms"]

@@ -98,7 +98,7 @@ class HostBufferPool:
             with self._lock:
                 self.allocations += 1
                 self._evict(self.peak_bytes_in_use)  # free buffers of other sizes make room first
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)  # the caller copies nbytes in
         return buf
 
     def release(self, buf: torch.Tensor, device_key) -> None:
@@ -281,7 +281,7 @@ class OffloadedCheckpointer:
         if packed.device.type == "cuda":
             side = self.side_stream(packed.device)
             with torch.cuda.stream(side):
-                tensor = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+                tensor = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)  # copied over whole
                 tensor.copy_(packed.host, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(side)

@@ -94,12 +94,16 @@ def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchRepo
 
     Args:
         model: a transformers causal LM, optionally wrapped by PEFT or DDP.
-        config: which fast paths to take; ``FastConfig()`` when None.
+        config: which fast paths to take: a FastConfig or a dict of its fields; ``FastConfig()`` when None.
 
     Returns:
         The PatchReport (also stored on the model; ``unpatch_model`` or ``report.undo()`` reverts).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``config`` not a FastConfig/dict/None.
     """
-    config = config or FastConfig()
+    _check_model(model, "patch_model")
+    config = FastConfig.coerce(config, "config")
     base = find_causal_lm(model)
     if getattr(base, STATE_ATTR, None) is not None:
         unpatch_model(base)
@@ -126,8 +130,22 @@ def patch_report(model: nn.Module) -> PatchReport | None:
 
 
 def unpatch_model(model: nn.Module) -> None:
-    """Undo every fasttune patch on this model (no-op when it has none)."""
+    """Undo every fasttune patch on this model (no-op when it has none).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    _check_model(model, "unpatch_model")
     base = find_causal_lm(model)
     report = base.__dict__.pop(STATE_ATTR, None)
     if report is not None:
         report.undo()
+
+
+def _check_model(model, caller: str) -> None:
+    """TypeError naming ``model`` for a non-module (a model name passed instead of a model, say)."""
+    if not isinstance(model, nn.Module):
+        hint = (" (a model id? load it first, e.g. AutoModelForCausalLM.from_pretrained("
+                f"{model!r}))") if isinstance(model, str) else ""
+        raise TypeError(f"{caller}: model must be a torch.nn.Module (a transformers causal LM, optionally "
+                        f"wrapped by PEFT or DDP), got {type(model).__name__}{hint}")

@@ -1,10 +1,20 @@
-"""PatchReport: what patch_model changed on one model, what stayed stock and why, and how to undo it."""
+"""PatchReport: what patch_model changed on one model, what stayed stock and why, and how to undo it.
+
+Patch time says what was installed; it does not say what runs: something installed over a patched
+forward later (TRL's fused LM head, accelerate's mixed-precision wrapper) can answer the calls in
+its place. So the installed forwards also count their calls at run time in ``calls``, one Counter
+increment per call: ``(op, FUSED)`` when the kernel ran, ``(op, reason)`` when the call took the
+stock path. ``call_summary`` turns the counts into log lines and warnings (an op that ran no call
+fused, and why).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
+
+FUSED = "fused"  # the outcome of a call that ran fasttune's kernel; any other outcome says why it ran stock
 
 
 @dataclass(frozen=True)
@@ -30,15 +40,24 @@ class PatchReport:
         model_type: the model's ``config.model_type``.
         patched: op name → number of places that took the fast path.
         fallbacks: places that stayed stock, with the reason.
+        calls: (op, outcome) → calls counted at run time; outcome ``FUSED`` or why the call ran stock.
+        counted: the ops whose installed forwards count their calls in ``calls``.
+        installed: (module, forward) per forward installed on a module (``instance.swap_forward``).
     """
 
     model_type: str | None = None
     patched: Counter = field(default_factory=Counter)
     fallbacks: list[Fallback] = field(default_factory=list)
+    calls: Counter = field(default_factory=Counter)
+    counted: set[str] = field(default_factory=set)
+    installed: list[tuple[object, object]] = field(default_factory=list, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
-    def add(self, op: str, n: int = 1) -> None:
+    def add(self, op: str, n: int = 1, counted: bool = False) -> None:
+        """Record ``n`` places patched with ``op``; ``counted``: their calls are counted in ``calls``."""
         self.patched[op] += n
+        if counted:
+            self.counted.add(op)
 
     def fallback(self, op: str, where: str, reason: str) -> None:
         self.fallbacks.append(Fallback(op, where, reason))
@@ -68,3 +87,43 @@ class PatchReport:
                 shown = ", ".join(wheres[:3]) + (f" (+{len(wheres) - 3} more)" if len(wheres) > 3 else "")
                 lines.append(f"    {op}: {reason} [{shown}]")
         return "\n".join(lines)
+
+    def call_summary(self) -> tuple[list[str], list[str]]:
+        """The calls counted so far: (one line per counted op, one warning per op that ran no call fused).
+
+        A line reads ``cross_entropy: 2/2 calls fused``, with the stock calls and their reasons
+        after it; a warning names the reason (every call stock, or none reached fasttune's forward
+        and what replaced it).
+        """
+        lines, warnings = [], []
+        for op in sorted(self.counted):
+            outcomes = {why: n for (o, why), n in self.calls.items() if o == op}
+            fused = outcomes.pop(FUSED, 0)
+            total = fused + sum(outcomes.values())
+            stock = "; ".join(f"{n} stock: {why}" for why, n in sorted(outcomes.items(), key=lambda kv: -kv[1]))
+            lines.append(f"{op}: {fused}/{total} calls fused" + (f" ({stock})" if stock else ""))
+            if fused == 0:
+                why = f"every call ran stock ({stock})" if total else self._why_no_call(op)
+                warnings.append(f"{op} is patched but ran no call fused: {why}")
+        return lines, warnings
+
+    def _why_no_call(self, op: str) -> str:
+        """Why no call of ``op`` was counted: a forward of ours replaced since (by what), or not reached."""
+        for module, fwd in self.installed:
+            current = getattr(module, "__dict__", {}).get("forward")
+            if getattr(fwd, "op", None) == op and current is not fwd:
+                return (f"{type(module).__name__}.forward was replaced after patching by "
+                        f"{describe_forward(current)}, which answers the calls without reaching fasttune's forward")
+        return "no call reached fasttune's forward (the model's forward never ran through it)"
+
+
+def describe_forward(fn) -> str:
+    """A readable name for a forward: where its code is defined."""
+    if fn is None:
+        return "the class's own forward"
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is not None:  # not __qualname__: functools.wraps copies the wrapped function's (TRL's head does)
+        module = getattr(fn, "__globals__", {}).get("__name__", "?")
+        return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+    return f"{type(fn).__module__}.{type(fn).__qualname__}"

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config import FastConfig
 from .families import FamilySpec
-from .instance import PatchedForward, stock_forward, stock_is_faster, swap_forward
+from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .norm import FastRMSNormForward
 from .patch import family_modules
 from .report import PatchReport
@@ -85,10 +85,14 @@ class FusedResidualLayerForward(PatchedForward):
             kwargs = dict(kwargs)
             hidden = kwargs.pop("hidden_states")
         else:  # other positional arguments: only the stock forward knows their names
+            self.count("other positional arguments than hidden_states")
             return self.stock(*args, **kwargs)
         norms = self._norms()  # None once a norm was unpatched or replaced by someone else
         if norms is None or not isinstance(hidden, torch.Tensor) or stock_is_faster(hidden):
+            self.count("a norm replaced, unpatched or hooked" if norms is None else DECODE_STEP
+                       if isinstance(hidden, torch.Tensor) else "hidden_states is not a tensor")
             return self.stock(hidden, **kwargs)
+        self.count()
         for name in self.attn_required:
             if name not in kwargs and name in self.layer_defaults:
                 kwargs = {**kwargs, name: self.layer_defaults[name]}
@@ -127,7 +131,7 @@ def patch_residuals(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
             report.fallback(OP, name, reason)
             continue
         swap_forward(module, FusedResidualLayerForward(module, stock_forward(module)), report)
-        report.add(OP)
+        report.add(OP, counted=True)
 
 
 __all__ = ["FusedResidualLayerForward", "check_layer", "patch_residuals"]

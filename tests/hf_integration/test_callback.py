@@ -59,3 +59,26 @@ def test_callback_on_sft_trainer_keeps_losses_and_metrics(tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"])
         assert abs(x["entropy"] - y["entropy"]) <= 1e-4 * abs(y["entropy"])
         assert x["mean_token_accuracy"] == pytest.approx(y["mean_token_accuracy"], abs=1e-6)
+
+
+def test_run_time_counts_are_logged_once_after_the_first_step(tmp_path, caplog):
+    """2 steps: one log of what ran fused, after step 1; counted from train() on (not the warm-up call)."""
+    import logging
+
+    from fasttune.embedded import TaskDataset, make_task
+
+    tok = build_tokenizer()
+    model = build_model(tok, hidden_size=64)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    cb = FastPatchCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=TaskDataset(tok, make_task(8)),
+                      data_collator=PadCollator(tok.pad_token_id), callbacks=[cb])
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 5, 6]]))  # before training: not in the first step's counts
+    caplog.set_level(logging.INFO, logger="fasttune")
+    trainer.train()
+    logged = [r.getMessage() for r in caplog.records if "run-time calls" in r.getMessage()]
+    assert len(logged) == 1 and "cross_entropy: 1/1 calls fused" in logged[0]
+    assert "rms_norm: 5/5 calls fused" in logged[0] and "ran no call fused" not in caplog.text
+    assert cb.report.calls["cross_entropy", "fused"] == 2  # the counts go on after the log

@@ -55,10 +55,10 @@ def metrics_fn(metric):
     return compute_metrics
 
 
-def _args(tmp_path):
+def _args(tmp_path, **kw):
     return TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[],
                              use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
-                             save_strategy="no")
+                             save_strategy="no", **kw)
 
 
 def _model(kind: str):
@@ -190,3 +190,27 @@ def test_eval_example_runs_offline(tmp_path):
     assert result["eval_loss_after"] < 0.8 * result["eval_loss_before"]
     assert result["accuracy_after"] > result["accuracy_before"]
     assert result["patched"]["cross_entropy"] == 1
+
+
+@pytest.mark.parametrize("prediction_loss_only", [True, False])
+def test_eval_loss_is_smoothed_as_stock(tmp_path, prediction_loss_only):
+    """With label_smoothing_factor, a stock Trainer's eval_loss is the smoothed loss (its
+    LabelSmoother runs in compute_loss for eval too). FastTrainer moves the smoothing into the fused
+    head, which only serves training forwards: evaluation must still report the smoothed loss."""
+    rows = random_lm_rows(VOCAB, n=6, seed=11)
+    model = _model("full")
+    args = dict(label_smoothing_factor=0.1, prediction_loss_only=prediction_loss_only)
+    common = dict(eval_dataset=rows, data_collator=PadCollator(0))
+    stock = Trainer(model=copy.deepcopy(model), args=_args(tmp_path / "s", **args), **common)
+    fast = FastTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "f", **args), **common)
+    plain = Trainer(model=copy.deepcopy(model), args=_args(tmp_path / "p"), **common)
+    from fasttune.model_patches.head import head_forward
+    from fasttune.model_patches.patch import find_causal_lm
+
+    head = head_forward(find_causal_lm(fast.model))
+    assert fast.label_smoother is None and head.label_smoothing == 0.1  # training: smoothing in the kernel
+    got, ref, unsmoothed = fast.evaluate()["eval_loss"], stock.evaluate()["eval_loss"], plain.evaluate()["eval_loss"]
+    assert abs(got - ref) <= 1e-6 * ref, (got, ref)
+    assert abs(ref - unsmoothed) > 1e-3, (ref, unsmoothed)  # the smoothing is visible at this size
+    assert fast.label_smoother is None and head.label_smoothing == 0.1 and not head.return_logits  # restored
+

@@ -2,7 +2,9 @@
 
 Two kinds of input: random packed codes and scales in a duck-typed QuantState (every byte and
 scale value is a valid input, no bitsandbytes needed, runs on the GPU image too), and real
-``bitsandbytes.functional.quantize_4bit`` outputs compared with ``dequantize_4bit``.
+``bitsandbytes.functional.quantize_4bit`` outputs compared with ``dequantize_4bit`` and with
+``matmul_4bit``'s forward and backward where the compute dtype is not the QuantState's (the
+forward rounds the weight once, to the compute dtype; the backward via the QuantState's dtype).
 """
 
 from __future__ import annotations
@@ -77,6 +79,25 @@ def test_out_buffer_and_dtype_cast(device):
     assert torch.equal(dequantize_nf4(packed, qs, out=buf), as_bf16.float())
 
 
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_round_to_state_false_rounds_once_to_out_dtype(device, state_dtype, nested, monkeypatch):
+    """round_to_state=False: the fp32 value (state dtype float32) rounded once to out's dtype,
+    whatever the QuantState's dtype; Triton and the reference fallback alike."""
+    for i, shape in enumerate(SHAPES):
+        packed, qs = random_nf4(shape, state_dtype, 64, nested, device, seed=10 + i)
+        exact = copy.copy(qs)
+        exact.dtype = torch.float32
+        want32 = reference.dequantize_nf4(packed, exact)
+        for use in (True, False):
+            monkeypatch.setattr(nf4_mod, "use_triton", lambda *t, _u=use: _u)
+            for out_dtype in DTYPES:
+                buf = torch.empty(shape, dtype=out_dtype, device=device)
+                got = dequantize_nf4(packed, qs, out=buf, round_to_state=False)
+                assert got is buf and torch.equal(got, want32.to(out_dtype)), (use, out_dtype)
+            assert qs.dtype == state_dtype  # the caller's QuantState is left alone
+
+
 def test_bad_inputs_raise(device):
     packed, qs = random_nf4((37, 64), torch.float16, 64, False, device)
     with pytest.raises(ValueError, match="shape"):
@@ -147,6 +168,31 @@ def test_bitsandbytes_roundtrip_and_storage(device):
     packed_bf16, qs_bf16 = F.quantize_4bit(w, blocksize=64, quant_type="nf4", quant_storage=torch.bfloat16)
     assert packed_bf16.dtype == torch.bfloat16
     assert torch.equal(dequantize_nf4(packed_bf16, qs_bf16), out)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("compute_dtype", DTYPES)
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_matches_bitsandbytes_matmul_4bit(device, state_dtype, compute_dtype, nested):
+    """``matmul_4bit`` (bitsandbytes 0.50) with a compute dtype: forward y = A·dequant(W, compute
+    dtype)ᵀ (its gemm_4bit, rounded once), backward dA = dY·dequantize_4bit(W).to(compute dtype)
+    (rounded to the QuantState's dtype first). The two readings, fed to the same torch products,
+    give bitwise its y and dA. 1,600 rows: past the CUDA fused-kernel limit (1,536), so CUDA too
+    runs dequantise + F.linear; widths multiples of 64 (NOTES §4)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(7 + nested)
+    w = torch.randn(96, 128, dtype=state_dtype, device=device)
+    packed, qs = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    a = torch.randn(1600, 128, dtype=compute_dtype, device=device, requires_grad=True)
+    dy = torch.randn(1600, 96, dtype=compute_dtype, device=device)
+    with torch.compiler.set_stance("force_eager"):  # see _bnb_dequantize
+        y = bnb.matmul_4bit(a, packed, qs)
+        y.backward(dy)
+    w_fwd = dequantize_nf4(packed, qs, out=torch.empty(96, 128, dtype=compute_dtype, device=device),
+                           round_to_state=False)
+    w_bwd = dequantize_nf4(packed, qs, out=torch.empty(96, 128, dtype=compute_dtype, device=device))
+    assert torch.equal(y, torch.nn.functional.linear(a.detach(), w_fwd))
+    assert torch.equal(a.grad, torch.mm(dy, w_bwd))
 
 
 @pytest.mark.gpu

@@ -147,3 +147,56 @@ def test_autocast_bf16_matches_stock_within_bf16_noise():
         b = stock(**batch).loss
     ref = stock(**batch).loss  # fp32
     assert abs(float(a) - float(ref)) <= 2 * abs(float(b) - float(ref)) + 2e-2
+
+
+# -- where fasttune differs from stock on purpose ---------------------------------------------------
+def test_all_ignored_batch_gives_zero_loss_and_warns_once(caplog):
+    """Stock's mean over zero labels is NaN; the fused head gives 0.0 with zero gradients, and says
+    once (per head) that such a batch usually means truncation cut every completion."""
+    stock = tiny_model("llama", vocab_size=1000)
+    fast = copy.deepcopy(stock)
+    patch_model(fast, HEAD_ONLY)
+    batch = make_batch(1000, seed=7)
+    batch["labels"][:] = -100
+    assert torch.isnan(stock(**batch).loss)
+    with caplog.at_level("WARNING", logger="fasttune"):
+        for _ in range(2):
+            out = _loss_and_backward(fast, batch)
+            assert out.loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in fast.parameters())
+    warned = [r for r in caplog.records if "no label to learn from" in r.getMessage()]
+    assert len(warned) == 1 and "truncation" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fasttune"):
+        _loss_and_backward(fast, make_batch(1000, seed=8))  # a normal batch: no warning
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["fused", "stock_head"])
+@pytest.mark.parametrize("bad", [1003, -5])
+def test_out_of_range_input_id_names_id_position_and_vocab(training, bad):
+    from fasttune.model_patches.head import TokenIdError
+
+    model = tiny_model("llama", vocab_size=1000)
+    patch_model(model, HEAD_ONLY)
+    model.train(training)
+    batch = make_batch(1000, seed=9)
+    batch["input_ids"][1, 5] = bad
+    batch["input_ids"][1, 9] = 2000
+    with pytest.raises(TokenIdError, match=rf"input_ids: token id {bad} at \(batch 1, position 5\) is outside the "
+                                           r"embedding's 1000 rows \(valid ids 0\.\.999\); 2 id\(s\)") as info:
+        model(**batch)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, IndexError)  # old `except IndexError` still works
+    assert isinstance(info.value.__cause__, IndexError)  # the embedding's own error is kept as the cause
+
+
+def test_other_index_errors_pass_through_unchanged():
+    """An IndexError that is not about input ids (a label outside the vocab, in the stock head) is not rewritten."""
+    model = tiny_model("llama", vocab_size=1000)
+    patch_model(model, HEAD_ONLY)
+    model.eval()
+    batch = make_batch(1000, seed=10)
+    batch["labels"][0, 3] = 5000
+    with pytest.raises(IndexError) as info:
+        model(**batch)
+    assert "input_ids" not in str(info.value)
