@@ -21,7 +21,6 @@ The vocabulary is small here: the large-vocab head is test_family_parity's busin
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ from fasttune.model_patches.families import FAMILIES
 from fasttune.model_patches.mlp import FastMLPForward
 from fasttune.model_patches.patch import patch_report
 from helpers.compare import assert_grads_close, rel_err
+from helpers.spies import count_fused_lora
 from helpers.tiny_models import FAMILY_TYPES, make_batch, tiny_model
 
 LAYERS = 2
@@ -90,16 +90,7 @@ def stock_and_fast(model_type, device, config=None, **kw):
 @pytest.fixture
 def spy(monkeypatch):
     """Counts calls of the fused Functions the hooks run (by name)."""
-    calls = Counter()
-    for name in ("lora_qkv", "lora_linear", "lora_mlp"):
-        fn = getattr(lora_mod, name)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(lora_mod, name, counted)
-    return calls
+    return count_fused_lora(monkeypatch)
 
 
 def fused_calls_per_forward(model_type) -> int:

@@ -19,14 +19,13 @@ odd vocabularies, q/k/v/o and MLP biases on one).
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
 from fasttune import FastConfig, patch_model
-from fasttune.model_patches import lora as lora_mod
 from helpers.compare import grad_errors, rel_err
+from helpers.spies import count_fused_lora
 from helpers.tiny_models import make_batch, tiny_model
 
 pytest.importorskip("bitsandbytes")
@@ -46,16 +45,7 @@ FUSED_PER_FORWARD = 2 * 3  # two layers × (lora_qkv, lora_o, lora_mlp)
 @pytest.fixture
 def spy(monkeypatch):
     """Counts calls of the fused Functions, so a silent fallback to PEFT's path fails the test."""
-    calls = Counter()
-    for name in ("lora_qkv", "lora_linear", "lora_mlp"):
-        fn = getattr(lora_mod, name)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(lora_mod, name, counted)
-    return calls
+    return count_fused_lora(monkeypatch)
 
 
 def save_checkpoint(path, shape: str) -> str:
