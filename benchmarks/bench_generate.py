@@ -17,8 +17,8 @@ Usage (H200, repo root):
     python benchmarks/bench_generate.py [--layers 32] [--batches 1,8] [--new-tokens 128] [--lora] [--nf4]
         [--out FILE.json]                                        # ~2-4 minutes for the default
     python -m pytest benchmarks/bench_generate.py -m gpu -q      # the no-regression check (~1-2 minutes)
-The check: patched tokens/s ≥ 0.95 × stock (run-to-run noise on this machine is 2–5%, NOTES §7) at
-batch 1 and 8, plain bf16 and bf16 + LoRA r=16 (8 layers of the 8B shape: per-layer costs are what
+The check: patched tokens/s ≥ 0.95 × stock (run-to-run noise on this machine is 2–5%:
+docs/FACTS.md, Measuring on the GPU) at batch 1 and 8, plain bf16 and bf16 + LoRA r=16 (8 layers of the 8B shape: per-layer costs are what
 differ).
 """
 

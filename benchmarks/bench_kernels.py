@@ -2,7 +2,7 @@
 
 Columns: eager (the Hugging Face module code, inlined), torch.compile of that code, Liger Kernel
 (when importable) and fasttune. GPU time is the median over replays of a CUDA graph holding one
-fwd+bwd step (launch gaps would otherwise dominate ops this small; NOTES §7), falling back to the
+fwd+bwd step (launch gaps would otherwise dominate ops this small; docs/FACTS.md, Measuring on the GPU), falling back to the
 kernel time summed by torch.profiler when a step cannot be captured.
 
 Achieved bandwidth = bytes that must move / time, as a share of the device-to-device copy rate

@@ -78,7 +78,8 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
                 bos_token_id=1, eos_token_id=2, pad_token_id=3)
-# Widths multiples of 64: bitsandbytes 0.50.2 on CPU mis-dequantises other NF4 rows (NOTES §4).
+# Widths multiples of 64: bitsandbytes 0.50.2 on CPU mis-dequantises other NF4 rows
+# (docs/FACTS.md, bitsandbytes on the CPU).
 SMOKE = dict(LLAMA_8B, vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

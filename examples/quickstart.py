@@ -6,7 +6,7 @@
 
 import sys
 
-from fasttune.quickstart import main
+from fasttune.run.quickstart import main
 
 if __name__ == "__main__":
     sys.exit(main())

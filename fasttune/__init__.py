@@ -28,14 +28,14 @@ _EXPORTS = {
     "FastGRPOTrainer": "fasttune.hf_integration.trl",
     "FastKTOTrainer": "fasttune.hf_integration.trl",
     "FastRLOOTrainer": "fasttune.hf_integration.trl",
-    "save_adapter": "fasttune.hf_integration.export",
-    "save_merged": "fasttune.hf_integration.export",
-    "save_gguf": "fasttune.hf_integration.gguf",
-    "push_to_hub": "fasttune.hf_integration.hub",
+    "save_adapter": "fasttune.export.adapter",
+    "save_merged": "fasttune.export.merged",
+    "save_gguf": "fasttune.export.gguf",
+    "push_to_hub": "fasttune.export.hub",
     "load_model": "fasttune.hf_integration.loader",
     "LoraSpec": "fasttune.hf_integration.loader",
     "ModelLoadError": "fasttune.hf_integration.loader",
-    "HubPushError": "fasttune.hf_integration.hub",
+    "HubPushError": "fasttune.export.hub",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -26,7 +26,7 @@ ARTIFACTS = ("adapter", "merged", "gguf")
 
 
 def _config_epilog() -> str:
-    from .run_config import field_help
+    from .run.config import field_help
 
     lines = ["run config fields (YAML sections; `fasttune config` prints a full example):"]
     lines += [f"  {key}: {text}" for key, text in field_help().items()]
@@ -36,7 +36,7 @@ def _config_epilog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .config import GGUF_QUANTIZATIONS, MERGED_DTYPES
-    from .run_config import TRAINERS
+    from .run.config import TRAINERS
 
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="fasttune", description="Faster, leaner fine-tuning of open LLMs: train from a "
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fasttune`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["quickstart"]:  # its own parser, its own --help
-        from .quickstart import main as quickstart_main
+        from .run.quickstart import main as quickstart_main
 
         return quickstart_main(argv[1:]) or EXIT_OK
     parser = build_parser()
@@ -123,7 +123,8 @@ def default_run_dir(cfg, config_path: str) -> Path:
 
 
 def cmd_train(args) -> int:
-    from .run_config import RunConfigError, load_run_config, validate
+    from .run.checks import validate
+    from .run.config import RunConfigError, load_run_config
 
     try:
         cfg = load_run_config(args.config, args.overrides)
@@ -136,7 +137,7 @@ def cmd_train(args) -> int:
         return EXIT_OK
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, args.config)
     print(f"fasttune: run folder {run_dir}", file=sys.stderr)
-    from .runner import train
+    from .run.runner import train
 
     try:
         state = train(cfg, run_dir)
@@ -151,19 +152,20 @@ def cmd_train(args) -> int:
 
 
 def _check_run_dir(run_dir: str) -> str | None:
-    path = Path(run_dir)
-    if not (path / "run_config.yaml").is_file() or not (path / "final").is_dir():
+    from .run.folder import RunFolder
+
+    if not RunFolder(run_dir).is_finished():
         return f"{run_dir} is not a finished fasttune run (no run_config.yaml and final/ there)"
     return None
 
 
 def cmd_export(args) -> int:
-    from .run_config import RunConfigError
+    from .run.config import RunConfigError
 
     problem = _check_run_dir(args.run_dir)
     if problem:
         return _fail(problem, EXIT_CONFIG)
-    from .runner import export_run
+    from .run.runner import export_run
 
     try:
         folders = export_run(args.run_dir, args.artifacts, args.gguf, args.merged_dtype)
@@ -178,12 +180,12 @@ def cmd_push(args) -> int:
     problem = _check_run_dir(args.run_dir)
     if problem:
         return _fail(problem, EXIT_CONFIG)
-    from .hf_integration.hub import HubPushError
-    from .runner import push_run
+    from .export.hub import HubPushError
+    from .run.runner import push_run
 
     try:
         urls = push_run(args.run_dir, args.repo_id, args.artifacts, args.private, args.token, args.gguf)
-    except HubPushError as e:  # scrubbed of the token by hub.py
+    except HubPushError as e:  # scrubbed of the token by export/hub_client.py
         return _fail(f"push failed: {e}")
     except ValueError as e:
         return _fail(str(e), EXIT_CONFIG)
@@ -193,7 +195,7 @@ def cmd_push(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from .run_config import RunConfig, field_help
+    from .run.config import RunConfig, field_help
 
     cfg = RunConfig.from_dict({"trainer": args.trainer, "run_name": f"embedded-{args.trainer}",
                                "training": {"max_steps": 60, "learning_rate": 3e-3, "logging_steps": 5,

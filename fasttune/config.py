@@ -231,3 +231,21 @@ def _check_types(cfg: FastConfig) -> None:
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             setattr(cfg, name, float(value))
+
+
+def resolve_checkpointing(args, config: FastConfig) -> FastConfig:
+    """Map the Trainer's activation/gradient checkpointing flag onto ``config.checkpointing``.
+
+    The user asked for checkpointing and chose no fasttune mode → "offload". Whenever fasttune
+    checkpoints, the Trainer's own flag is cleared so layers are never wrapped twice.
+    """
+    if args is None:
+        return config
+    asked = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+    if asked and config.checkpointing is None:
+        config = dataclasses.replace(config, checkpointing="offload")
+    if config.checkpointing is not None:
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if hasattr(args, name):
+                setattr(args, name, False)
+    return config

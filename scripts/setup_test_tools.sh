@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Test-only tools that pip's pinned set does not cover:
 #  - llama-cpp-python, built from source with portable flags (the -march=native build segfaults on
-#    quantised models on these CPUs, NOTES §5); ~5 min once, then cached in .venv;
+#    quantised models on these CPUs, docs/FACTS.md, GGUF and llama.cpp); ~5 min once, then cached in .venv;
 #  - Debian's chromium for the Space's browser tests (Playwright cannot download browsers here).
 set -euo pipefail
 cd "$(dirname "$0")/.."

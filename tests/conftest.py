@@ -2,7 +2,7 @@
 
 - No GPU: Triton runs in its interpreter on CPU tensors. TRITON_INTERPRET must be set before any
   module holding @triton.jit kernels is imported, hence here, at the top.
-- The interpreter feeds raw bf16 bits to np.matmul (NOTES §2): upcast bf16 operands of tl.dot.
+- The interpreter feeds raw bf16 bits to np.matmul (docs/FACTS.md, Triton interpreter): upcast bf16 operands of tl.dot.
 - No test may reach the Hub.
 """
 

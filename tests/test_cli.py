@@ -51,9 +51,9 @@ def test_no_command_prints_help_and_fails(capsys):
 
 
 def _train_errors(tmp_path, text: str, capsys, monkeypatch) -> str:
-    import fasttune.runner
+    import fasttune.run.runner
 
-    monkeypatch.setattr(fasttune.runner, "train", lambda *a, **k: pytest.fail("a bad config reached training"))
+    monkeypatch.setattr(fasttune.run.runner, "train", lambda *a, **k: pytest.fail("a bad config reached training"))
     path = tmp_path / "run.yaml"
     path.write_text(text)
     assert cli.main(["train", str(path), "--run-dir", str(tmp_path / "run")]) == cli.EXIT_CONFIG
@@ -92,7 +92,7 @@ def test_export_and_push_refuse_a_folder_that_is_not_a_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_config_command_prints_a_valid_documented_config(trainer, capsys, tmp_path):
-    from fasttune.run_config import RunConfig
+    from fasttune.run.config import RunConfig
 
     assert cli.main(["config", "--trainer", trainer]) == cli.EXIT_OK
     text = capsys.readouterr().out

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fasttune.run_config import RunConfig
+from fasttune.run.config import RunConfig
 
 pytest.importorskip("gradio", reason="the Space needs the 'space' extra (gradio)")
 pytest.importorskip("gradio_client", reason="the API tests need gradio_client (installed with gradio)")

@@ -28,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py beside this 
 
 from jobs import Jobs  # noqa: E402
 
-from fasttune import run_data  # noqa: E402
+from fasttune.run import data as run_data  # noqa: E402
 from fasttune.config import ARTIFACTS, GGUF_QUANTIZATIONS, MERGED_DTYPES  # noqa: E402
-from fasttune.hf_integration.hub import hub_id_or_none  # noqa: E402
+from fasttune.export.artifacts import hub_id_or_none  # noqa: E402
 from fasttune.hub_cards import render_card  # noqa: E402
-from fasttune.run_config import (DTYPES, EMBEDDED, FORMATS, METHODS, OPTIMIZERS, SCHEDULERS, TRAINERS,  # noqa: E402
-                                 RunConfig, RunConfigError, check_sources, classify_dataset, field_help,
-                                 hub_offline, parse_run_config)
+from fasttune.run.checks import check_sources  # noqa: E402
+from fasttune.run.config import (DTYPES, FORMATS, METHODS, OPTIMIZERS, SCHEDULERS, TRAINERS, RunConfig,  # noqa: E402
+                                 RunConfigError, field_help, parse_run_config)
+from fasttune.run.sources import EMBEDDED, classify_dataset, classify_model, hub_offline  # noqa: E402
 
 ROLES = ("prompt", "completion", "messages", "text", "chosen", "rejected")
 HELP = field_help()
@@ -78,7 +79,7 @@ def form_to_dict(paths: list[str], values: list[Any]) -> dict[str, Any]:
             continue
         if path == "lora.target_modules":
             items = [v.strip() for v in str(value or "").split(",") if v.strip()]
-            value = items[0] if len(items) == 1 else items  # run_config turns a bare name into a list
+            value = items[0] if len(items) == 1 else items  # the run config turns a bare name into a list
         elif path == "training.bf16":
             value = {"true": True, "false": False}.get(value, value)
         elif path == "fast.checkpointing":
@@ -168,8 +169,6 @@ def preview(dataset: str, trainer: str, *current_roles):
 
 
 def model_message(base: str) -> str:
-    from fasttune.run_config import classify_model
-
     base = (base or "").strip()
     try:
         kind = classify_model(base)

@@ -2,7 +2,7 @@
 
 Each run gets a folder under the runs directory (``runs/<name>-<date>-<time>/``) holding its
 ``run_config.yaml``, the subprocess's ``console.log`` and the ``state.json`` that ``fasttune train``
-keeps up to date (fasttune.runner). The app only reads those files, so a restarted app shows the
+keeps up to date (fasttune.run.folder). The app only reads those files, so a restarted app shows the
 last run and its result, and a run started before a restart keeps going (the subprocess has its
 own session) and can still be stopped through the pid in its state.
 
@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from fasttune.run_config import RunConfig
-from fasttune.runner import TERMINAL, read_state, write_state
+from fasttune.run.config import RunConfig
+from fasttune.run.folder import TERMINAL, read_state, write_state
 
 
 def _alive(pid: int | None) -> bool:

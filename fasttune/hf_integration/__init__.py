@@ -1,1 +1,4 @@
-"""Trainer, TRL, accelerate and Hub integration: the only place that knows them."""
+"""Trainer, TRL and accelerate glue: FastTrainer, FastPatchCallback, the Fast*Trainers, load_model, multi-GPU.
+
+The only place that knows the Trainer; export and the Hub live in ``fasttune/export/``.
+"""

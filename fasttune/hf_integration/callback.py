@@ -1,6 +1,4 @@
-"""FastPatchCallback: fasttune's patches on any existing Trainer (transformers or TRL) run, and
-CallCounts: what ran fused in the first optimizer step, logged once (every fasttune trainer adds it).
-"""
+"""FastPatchCallback: fasttune's patches on any existing Trainer (transformers or TRL) run."""
 
 from __future__ import annotations
 
@@ -10,8 +8,10 @@ import sys
 
 from transformers import Trainer, TrainerCallback
 
-from ..config import FastConfig
+from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import PatchReport, patch_model, patch_report
+from ..model_patches.report import log_report
+from .call_counts import CallCounts
 
 logger = logging.getLogger("fasttune")
 _MAX_FRAMES = 12  # calling_trainer: callback method, call_event, on_<event>, the Trainer's method, subclasses
@@ -44,8 +44,6 @@ class FastPatchCallback(TrainerCallback):
             return control
         # Same mapping as FastTrainer: the Trainer's checkpointing flag becomes fasttune's
         # checkpointer; train() has not run yet, so clearing the flag stops HF wrapping layers too.
-        from .trainer import resolve_checkpointing
-
         self.config = resolve_checkpointing(args, self.config)
         self.report = patch_model(model, self.config)
         self.call_counts.reports["model"] = self.report
@@ -94,47 +92,6 @@ class FastPatchCallback(TrainerCallback):
         self.call_counts.reports["reference model"] = self.ref_report
         if state.is_world_process_zero:
             log_report(self.ref_report)
-
-
-class CallCounts(TrainerCallback):
-    """Logs once, after the first optimizer step, how many calls of each patched op ran fasttune's
-    kernel (``PatchReport.call_summary``), and warns for each op that ran none, with the reason.
-
-    Args:
-        reports: label ("model", "reference model") → PatchReport; more may be added until training.
-    """
-
-    def __init__(self, reports: dict[str, PatchReport] | None = None):
-        self.reports = dict(reports or {})
-        self._logged = False
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        for report in self.reports.values():
-            report.calls.clear()  # the first step's calls, not what ran before training
-        self._logged = False
-        return control
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self._logged:
-            self._logged = True
-            if state.is_world_process_zero:
-                for label, report in self.reports.items():
-                    log_calls(report, label)
-        return control
-
-
-def log_report(report: PatchReport) -> None:
-    """Log the report: at WARNING when something stayed stock, else at INFO."""
-    logger.log(logging.WARNING if report.fallbacks else logging.INFO, "%s", report)
-
-
-def log_calls(report: PatchReport, label: str = "model") -> None:
-    """Log the run-time call counts of ``report`` at INFO, and a WARNING per op that ran no call fused."""
-    lines, warnings = report.call_summary()
-    if lines:
-        logger.info("fasttune: run-time calls of the %s (%s):\n  %s", label, report.model_type, "\n  ".join(lines))
-    for text in warnings:
-        logger.warning("fasttune: %s: %s", label, text)
 
 
 def calling_trainer(callback: TrainerCallback) -> Trainer | None:

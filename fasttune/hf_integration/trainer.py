@@ -2,38 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from transformers import Trainer
 from transformers.trainer_pt_utils import LabelSmoother
 
-from ..config import FastConfig
+from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
-from .callback import CallCounts, log_report
+from ..model_patches.report import log_report
+from .call_counts import CallCounts
 from .distributed import DistributedHeadCallback, gathered_weights, release_fsdp_checkpointing, set_ddp_defaults
 from .throughput import ThroughputMeter
+from .train_end import export_after_training
 
 logger = logging.getLogger("fasttune")
-
-
-def resolve_checkpointing(args, config: FastConfig) -> FastConfig:
-    """Map the Trainer's activation/gradient checkpointing flag onto ``config.checkpointing``.
-
-    The user asked for checkpointing and chose no fasttune mode → "offload". Whenever fasttune
-    checkpoints, the Trainer's own flag is cleared so layers are never wrapped twice.
-    """
-    if args is None:
-        return config
-    asked = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
-    if asked and config.checkpointing is None:
-        config = dataclasses.replace(config, checkpointing="offload")
-    if config.checkpointing is not None:
-        for name in ("activation_checkpointing", "gradient_checkpointing"):
-            if hasattr(args, name):
-                setattr(args, name, False)
-    return config
 
 
 class FastTrainerMixin:
@@ -94,8 +77,6 @@ class FastTrainerMixin:
         output = super().train(*args, **kwargs)
         cfg = self.fast_config
         if cfg.export_artifacts or cfg.push_to_hub:
-            from .export import export_after_training
-
             with gathered_weights(self.model, self.is_world_process_zero()):  # every rank: FSDP/ZeRO-3 gather
                 export_after_training(self, cfg)
         return output

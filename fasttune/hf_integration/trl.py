@@ -28,15 +28,14 @@ from collections.abc import Mapping
 import torch
 import trl
 
-from ..config import FastConfig
+from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import PatchReport, find_causal_lm, patch_model, patch_report
 from ..model_patches.head import TrlHeadSettings, configure_trl_head, head_forward, install_trl_head
-from ..model_patches.report import describe_forward
+from ..model_patches.report import describe_forward, log_report
 from ..model_patches.trl_head import provides_fused_head
-from .callback import log_report
 from .throughput import ThroughputMeter
 from .distributed import set_ddp_defaults
-from .trainer import FastTrainerMixin, resolve_checkpointing
+from .trainer import FastTrainerMixin
 
 logger = logging.getLogger("fasttune")
 

@@ -31,9 +31,8 @@ import torch
 from torch import nn
 
 from ..config import FastConfig
-from .families import FamilySpec
+from .families import FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, few_rows_without_grad, stock_forward, swap_forward
-from .patch import family_class
 from .report import PatchReport
 
 OP_ROPE = "rope"

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import FastConfig
 from .families import FamilySpec
-from .instance import PatchedForward, stock_forward, swap_forward
+from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
 from .offload import OffloadedCheckpointer
 from .report import PatchReport
 
@@ -460,8 +460,6 @@ def install_checkpointing(base: nn.Module, spec: FamilySpec, classes: dict, conf
 
 def layer_checkpointing(model: nn.Module) -> LayerCheckpointing | None:
     """The checkpointing state of a patched model (PEFT/DDP wrappers allowed), or None."""
-    from .patch import find_causal_lm
-
     return find_causal_lm(model).__dict__.get(STATE_ATTR)
 
 

@@ -1,15 +1,21 @@
 """The families table: model_type → what each module of that family is and which kernel fits it.
 
 Data, not code. One ``FamilySpec`` row per exact ``config.model_type``; a family derived from
-another is ``dataclasses.replace`` of its row. ``patch.py`` reads a row, finds the modules by
-their exact class (resolved from ``modeling_module``), checks each against what the row expects,
-and swaps the forwards of that instance only. Adding a family = a row here + its parity test.
+another is ``dataclasses.replace`` of its row. ``patch.py`` reads a row; the patchers find the
+modules by their exact class (``resolve_classes`` / ``family_modules`` at the bottom of this file
+look the row's class names up in ``modeling_module``), check each against what the row expects,
+and swap the forwards of that instance only. Adding a family = a row here + its parity test.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
+
+from torch import nn
+
+from .report import PatchReport
 
 # Activation names in configs → the gated-MLP kernel that computes them exactly.
 ACTIVATIONS = {
@@ -135,3 +141,39 @@ FAMILIES: dict[str, FamilySpec] = {
 def family_for(model_type: str | None) -> FamilySpec | None:
     """The row for this exact model_type, or None."""
     return FAMILIES.get(model_type or "")
+
+
+# --- the table's classes in the installed transformers --------------------------------------
+
+_CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
+
+
+def resolve_classes(spec: FamilySpec) -> dict[str, type]:
+    """Field name → class of this family in the installed transformers (missing ones omitted)."""
+    try:
+        module = importlib.import_module(spec.modeling_module)
+    except ImportError:
+        return {}
+    found = {}
+    for field_name in _CLASS_FIELDS:
+        cls = getattr(module, getattr(spec, field_name), None)
+        if isinstance(cls, type):
+            found[field_name] = cls
+    return found
+
+
+def family_class(spec: FamilySpec, classes: dict, field_name: str, op: str, report: PatchReport) -> type | None:
+    """The family's class ``field_name`` (e.g. "norm_class") from ``resolve_classes``, or None after
+    reporting that this transformers version lacks it."""
+    cls = classes.get(field_name)
+    if cls is None:
+        report.fallback(op, spec.model_type, f"{getattr(spec, field_name)} not found in {spec.modeling_module}")
+    return cls
+
+
+def family_modules(base: nn.Module, spec: FamilySpec, classes: dict, field_name: str, op: str, report: PatchReport):
+    """(name, module) for each module of exactly the family's class ``field_name`` (none, and the
+    class reported missing, when this transformers version lacks it)."""
+    cls = family_class(spec, classes, field_name, op, report)
+    if cls is not None:
+        yield from ((name, m) for name, m in base.named_modules() if type(m) is cls)

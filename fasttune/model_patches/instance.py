@@ -112,3 +112,17 @@ def stock_is_faster(x) -> bool:
     """``few_rows_without_grad`` for a [..., features] tensor (one row per token)."""
     return (isinstance(x, torch.Tensor) and x.dim() >= 1
             and few_rows_without_grad(x.numel() // max(1, x.shape[-1])))
+
+
+def find_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside DDP/FSDP-style ``.module`` wrappers and PEFT."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "get_base_model"):  # PeftModel
+            m = m.get_base_model()
+        elif type(m).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+                getattr(m, "module", None), nn.Module):
+            m = m.module
+        else:
+            break
+    return m

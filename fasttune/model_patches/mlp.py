@@ -22,9 +22,8 @@ from torch import nn
 
 from ..config import FastConfig
 from .attention import float_dtype
-from .families import ACTIVATIONS, FamilySpec
+from .families import ACTIVATIONS, FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
-from .patch import family_class
 from .report import PatchReport
 
 OP = "mlp"

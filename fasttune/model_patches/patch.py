@@ -2,87 +2,34 @@
 
 Nothing here touches a class or a module of transformers: each patcher swaps the ``forward`` of
 individual module instances (``instance.py``) and records how to undo it on the PatchReport,
-which lives on the model instance. Patchers run in a fixed order; each decides from the families
+which lives on the model instance. Patchers run in the fixed order of ``PATCHERS``; each decides from the families
 table and the config what it can take, and reports what it leaves stock.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 from torch import nn
 
 from ..config import FastConfig
-from .families import FAMILIES, FamilySpec, family_for
+from .attention import patch_attention
+from .checkpointing import install_checkpointing
+from .families import FAMILIES, family_for, resolve_classes
 from .head import patch_head
+from .instance import find_causal_lm
+from .lora import patch_lora
+from .mlp import patch_mlp
+from .norm import patch_norms
 from .report import PatchReport
+from .residual import patch_residuals
 
 logger = logging.getLogger("fasttune")
 
 STATE_ATTR = "_fasttune_report"
-_CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
 
-
-def _patchers():
-    """The patchers in the order they run (import here keeps optional parts lazy)."""
-    patchers = [patch_head]
-    for module_name, fn_name in (("norm", "patch_norms"), ("attention", "patch_attention"),
-                                 ("mlp", "patch_mlp"), ("lora", "patch_lora"), ("residual", "patch_residuals"),
-                                 ("checkpointing", "install_checkpointing")):
-        try:
-            module = importlib.import_module(f"{__package__}.{module_name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.{module_name}":
-                raise
-            continue
-        patchers.append(getattr(module, fn_name))
-    return patchers
-
-
-def find_causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers ``*ForCausalLM`` inside DDP/FSDP-style ``.module`` wrappers and PEFT."""
-    m = model
-    for _ in range(4):
-        if hasattr(m, "get_base_model"):  # PeftModel
-            m = m.get_base_model()
-        elif type(m).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
-                getattr(m, "module", None), nn.Module):
-            m = m.module
-        else:
-            break
-    return m
-
-
-def resolve_classes(spec: FamilySpec) -> dict[str, type]:
-    """Field name → class of this family in the installed transformers (missing ones omitted)."""
-    try:
-        module = importlib.import_module(spec.modeling_module)
-    except ImportError:
-        return {}
-    found = {}
-    for field_name in _CLASS_FIELDS:
-        cls = getattr(module, getattr(spec, field_name), None)
-        if isinstance(cls, type):
-            found[field_name] = cls
-    return found
-
-
-def family_class(spec: FamilySpec, classes: dict, field_name: str, op: str, report: PatchReport) -> type | None:
-    """The family's class ``field_name`` (e.g. "norm_class") from ``resolve_classes``, or None after
-    reporting that this transformers version lacks it."""
-    cls = classes.get(field_name)
-    if cls is None:
-        report.fallback(op, spec.model_type, f"{getattr(spec, field_name)} not found in {spec.modeling_module}")
-    return cls
-
-
-def family_modules(base: nn.Module, spec: FamilySpec, classes: dict, field_name: str, op: str, report: PatchReport):
-    """(name, module) for each module of exactly the family's class ``field_name`` (none, and the
-    class reported missing, when this transformers version lacks it)."""
-    cls = family_class(spec, classes, field_name, op, report)
-    if cls is not None:
-        yield from ((name, m) for name, m in base.named_modules() if type(m) is cls)
+# The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
+PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_lora, patch_residuals, install_checkpointing)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:
@@ -117,7 +64,7 @@ def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchRepo
                        type(base).__name__, model_type)
     else:
         classes = resolve_classes(spec)
-        for patcher in _patchers():
+        for patcher in PATCHERS:
             patcher(base, spec, classes, config, report)
         logger.info("%s", report)
     base.__dict__[STATE_ATTR] = report

@@ -10,9 +10,12 @@ fused, and why).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
+
+logger = logging.getLogger("fasttune")
 
 FUSED = "fused"  # the outcome of a call that ran fasttune's kernel; any other outcome says why it ran stock
 
@@ -127,3 +130,17 @@ def describe_forward(fn) -> str:
         module = getattr(fn, "__globals__", {}).get("__name__", "?")
         return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
     return f"{type(fn).__module__}.{type(fn).__qualname__}"
+
+
+def log_report(report: PatchReport) -> None:
+    """Log the report: at WARNING when something stayed stock, else at INFO."""
+    logger.log(logging.WARNING if report.fallbacks else logging.INFO, "%s", report)
+
+
+def log_calls(report: PatchReport, label: str = "model") -> None:
+    """Log the run-time call counts of ``report`` at INFO, and a WARNING per op that ran no call fused."""
+    lines, warnings = report.call_summary()
+    if lines:
+        logger.info("fasttune: run-time calls of the %s (%s):\n  %s", label, report.model_type, "\n  ".join(lines))
+    for text in warnings:
+        logger.warning("fasttune: %s: %s", label, text)

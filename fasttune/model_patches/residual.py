@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from ..config import FastConfig
-from .families import FamilySpec
+from .families import FamilySpec, family_modules
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .norm import FastRMSNormForward
-from .patch import family_modules
 from .report import PatchReport
 
 OP = "residual_norms"

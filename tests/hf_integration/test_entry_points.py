@@ -261,7 +261,7 @@ def test_callback_computes_what_the_fast_trainer_computes(kind, dtype, runs):
 
 def test_a_head_nobody_calls_is_reported_with_the_reason(caplog):
     """What the bf16 callback rows used to do: a forward installed over fasttune's head answers the calls."""
-    from fasttune.hf_integration.callback import log_calls
+    from fasttune.model_patches.report import log_calls
 
     tok = build_tokenizer()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # TRL's head is Triton: CUDA tensors there

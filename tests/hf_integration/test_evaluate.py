@@ -125,7 +125,7 @@ def test_evaluate_and_predict_with_an_evaluate_metric(tmp_path, metric, kind):
     assert pred.metrics["test_loss"] == pytest.approx(got["eval_loss"], rel=1e-6)
     # Evaluation leaves the patches on (the next training step runs fused again).
     from fasttune.model_patches.head import head_forward
-    from fasttune.model_patches.patch import find_causal_lm
+    from fasttune.model_patches import find_causal_lm
 
     assert head_forward(find_causal_lm(fast.model)) is not None
 
@@ -205,7 +205,7 @@ def test_eval_loss_is_smoothed_as_stock(tmp_path, prediction_loss_only):
     fast = FastTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "f", **args), **common)
     plain = Trainer(model=copy.deepcopy(model), args=_args(tmp_path / "p"), **common)
     from fasttune.model_patches.head import head_forward
-    from fasttune.model_patches.patch import find_causal_lm
+    from fasttune.model_patches import find_causal_lm
 
     head = head_forward(find_causal_lm(fast.model))
     assert fast.label_smoother is None and head.label_smoothing == 0.1  # training: smoothing in the kernel

@@ -2,8 +2,9 @@
 patched, and every wrong name or option turned into a clear error.
 
 Models use hidden/intermediate sizes that are multiples of 64 (bitsandbytes 0.50.2's CPU NF4 path
-misbehaves otherwise, NOTES §4). Hub failures are answered by a loopback HTTP server that replies
-the way the Hub does (status + ``X-Error-Code``), so huggingface_hub's own error mapping is used.
+misbehaves otherwise, docs/FACTS.md, bitsandbytes on the CPU). Hub failures are answered by a
+loopback HTTP server that replies the way the Hub does (status + ``X-Error-Code``), so huggingface_hub's
+own error mapping is used.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from transformers import Trainer, TrainingArguments
 
 from fasttune import FastConfig, FastTrainer
 from fasttune.embedded import PadCollator
-from fasttune.hf_integration.trainer import resolve_checkpointing
+from fasttune.config import resolve_checkpointing
 from fasttune.model_patches.head import head_forward
 from helpers.compare import rel_err
 from helpers.train_data import random_lm_rows

@@ -178,7 +178,7 @@ def test_matches_bitsandbytes_matmul_4bit(device, state_dtype, compute_dtype, ne
     dtype)ᵀ (its gemm_4bit, rounded once), backward dA = dY·dequantize_4bit(W).to(compute dtype)
     (rounded to the QuantState's dtype first). The two readings, fed to the same torch products,
     give bitwise its y and dA. 1,600 rows: past the CUDA fused-kernel limit (1,536), so CUDA too
-    runs dequantise + F.linear; widths multiples of 64 (NOTES §4)."""
+    runs dequantise + F.linear; widths multiples of 64 (docs/FACTS.md, bitsandbytes on the CPU)."""
     bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(7 + nested)
     w = torch.randn(96, 128, dtype=state_dtype, device=device)

@@ -15,7 +15,7 @@ from fasttune import FastConfig, patch_model
 from fasttune.model_patches.attention import (FastAttentionForward, attention_interface, check_attention,
                                               patch_attention, project_qkv_fused)
 from fasttune.model_patches.families import FAMILIES
-from fasttune.model_patches.patch import resolve_classes
+from fasttune.model_patches.families import resolve_classes
 from fasttune.model_patches.report import PatchReport
 from helpers.compare import assert_grads_close, rel_err
 from helpers.tiny_models import FAMILY_TYPES, make_batch, tiny_model

@@ -8,14 +8,14 @@ difference from stock bf16, so it is tested against the fp32 run, not against st
 setup fasttune's loss curve stays within 1.1x of stock bf16's distance to the fp32 curve, and on
 average it is closer.
 
-Regime: lr 1e-4 (NOTES §9 measured the same lr on a 2048-wide Llama), where AdamW's first updates
+Regime: lr 1e-4 (the README's 2048-wide Llama measurement used the same lr), where AdamW's first updates
 are small against the base outputs. At lr 1e-3 the adapters' terms outgrow the rounding after a
 step or two, both bf16 runs see them, and the two distances are bf16 noise of equal size (measured
 ratios 0.5-1.9 on these setups): no claim is made there.
 
 On CPU the Triton interpreter is switched off for this test: its fp32→bf16 casts truncate
-(NOTES §2), which shrinks every bf16 output of a Triton kernel by ~0.3% and would measure the
-interpreter, not the rounding. The kernels' torch reference paths run instead (the LoRA products
+(docs/FACTS.md, Triton interpreter), which shrinks every bf16 output of a Triton kernel by ~0.3%
+and would measure the interpreter, not the rounding. The kernels' torch reference paths run instead (the LoRA products
 are torch products either way); the test checks that the widened product really ran.
 """
 

@@ -32,7 +32,7 @@ from fasttune.model_patches import lora as lora_mod
 from fasttune.model_patches.attention import FastAttentionForward, project_o, project_qkv_separate
 from fasttune.model_patches.families import FAMILIES
 from fasttune.model_patches.mlp import FastMLPForward
-from fasttune.model_patches.patch import patch_report
+from fasttune.model_patches import patch_report
 from helpers.compare import assert_grads_close, rel_err
 from helpers.spies import count_fused_lora
 from helpers.tiny_models import FAMILY_TYPES, make_batch, tiny_model

@@ -12,7 +12,7 @@ from torch import nn
 from fasttune import FastConfig
 from fasttune.model_patches.families import FAMILIES
 from fasttune.model_patches.mlp import FastMLPForward, check_mlp, config_activation, patch_mlp
-from fasttune.model_patches.patch import resolve_classes
+from fasttune.model_patches.families import resolve_classes
 from fasttune.model_patches.report import PatchReport
 from helpers.tiny_models import tiny_model
 

@@ -11,7 +11,7 @@ from torch import nn
 from fasttune import FastConfig
 from fasttune.model_patches.families import FAMILIES
 from fasttune.model_patches.norm import FastRMSNormForward, check_norm, patch_norms
-from fasttune.model_patches.patch import resolve_classes
+from fasttune.model_patches.families import resolve_classes
 from fasttune.model_patches.report import PatchReport
 
 # One family per casting/offset variant: llama (llama casting), gemma (offset 1, fp32 math), olmo2

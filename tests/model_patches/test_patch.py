@@ -6,7 +6,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from fasttune import FastConfig, patch_model, patch_report, unpatch_model
-from fasttune.model_patches.patch import find_causal_lm
+from fasttune.model_patches import find_causal_lm
 from helpers.tiny_models import make_batch, tiny_model
 
 

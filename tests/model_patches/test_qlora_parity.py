@@ -6,7 +6,7 @@ and ``prepare_model_for_kbit_training`` (norms, embeddings, head upcast to fp32)
 are fp32 while the QuantState is bf16: bitsandbytes 0.50's forward multiplies by the weight
 dequantised straight to fp32, its backward (dX) by the bf16-rounded weight. A fused path that
 rounds to bf16 in the forward too errs by ~5e-3 on the adapter gradients (one bf16 rounding of
-W). LoRA r=8 on all seven projections, B random. Widths are multiples of 64 (NOTES §4).
+W). LoRA r=8 on all seven projections, B random. Widths are multiples of 64 (docs/FACTS.md, bitsandbytes on the CPU).
 
 Tolerances (relative; loss as a scalar, each trainable gradient in Frobenius norm):
 - fp32 compute: loss ≤ 1e-5, gradients ≤ 1e-4 — the same weights and functions, products in
@@ -73,7 +73,7 @@ def qlora(path: str, compute_dtype: torch.dtype, prepare: bool, bf16_adapters: b
 
 def step(model, batch):
     """Loss and {name: grad} of one forward + backward in train mode (bitsandbytes' CPU eval
-    path repacks NF4 weights, NOTES §4)."""
+    path repacks NF4 weights, docs/FACTS.md, bitsandbytes on the CPU)."""
     model.train()
     model.zero_grad(set_to_none=True)
     device = next(model.parameters()).device  # bitsandbytes loads onto CUDA where there is one

@@ -470,7 +470,7 @@ def scenario_trainer(rank: int, world: int) -> dict:
     and which rank exported or pushed."""
     from transformers import TrainingArguments
 
-    import fasttune.hf_integration.hub as hub
+    import fasttune.hf_integration.train_end as hub
     from fasttune import FastConfig, FastTrainer
     from fasttune.embedded import PadCollator
     from helpers.train_data import random_lm_rows

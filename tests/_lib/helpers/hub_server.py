@@ -1,7 +1,7 @@
 """A loopback Hugging Face Hub for upload tests: a real HTTP server on 127.0.0.1 (random port).
 
 Speaks the part of the Hub protocol huggingface_hub 2.x uses to create repos, commit files (regular
-and LFS), read repo info and download (NOTES §6), storing files in a temporary folder with real
+and LFS), read repo info and download (docs/FACTS.md, The Hub protocol), storing files in a temporary folder with real
 oids (sha256 for LFS objects, git blob sha1 for regular files). Faults are injected per endpoint,
 consumed in order::
 

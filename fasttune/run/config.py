@@ -14,22 +14,20 @@ Sections (every key documented by ``field_help()``; ``fasttune train --help`` pr
 Validation collects every problem before anything is loaded, each naming its field and, where
 the value comes from a fixed set, the allowed values (``trainer: 'ppo' is not one of sft, dpo``);
 unknown keys are rejected with the known ones listed. Only the standard library and PyYAML are
-imported here (``check_sources`` also reads local dataset files), so a bad config fails in
-milliseconds.
+imported here, so a bad config fails in milliseconds; ``checks.py`` then looks at the sources
+(model folder, dataset file and columns, optional packages) before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import FastConfig
+from ..config import CHECKPOINTING_MODES, MERGED_DTYPES, FastConfig
+from .sources import EMBEDDED, classify_dataset, classify_model
 
-EMBEDDED = "embedded"
 TRAINERS = ("sft", "dpo")
 METHODS = ("lora", "qlora", "full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -39,11 +37,9 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
               "adafactor", "sgd", "lion_8bit")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 # Column roles per trainer: each tuple is one accepted dataset format (TRL's names).
 FORMATS = {"sft": (("prompt", "completion"), ("messages",), ("text",)),
            "dpo": (("prompt", "chosen", "rejected"), ("chosen", "rejected"))}
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
 
 
 class RunConfigError(ValueError):
@@ -187,6 +183,17 @@ class RunConfig:
     def columns(self) -> dict[str, str]:
         return dict(self.data.columns)
 
+    def hub_base_id(self) -> str | None:
+        """The base model's Hub id for cards and the adapter config: ``fast.base_model_id``, else
+        ``model.base`` when that is a Hub id (a local or embedded base has none)."""
+        if self.fast.base_model_id:
+            return self.fast.base_model_id
+        return self.model.base if classify_model(self.model.base) == "hub" else None
+
+    def hub_datasets(self) -> list[str]:
+        """The dataset's Hub id, for the cards' front matter ([] for a local or embedded dataset)."""
+        return [self.data.dataset] if classify_dataset(self.data.dataset) == "hub" else []
+
 
 _BAD = object()
 
@@ -278,14 +285,12 @@ def _value(path: str, value, rules, errors: list[str]):
 
 
 def _fast_kind(f: dataclasses.Field) -> dict[str, Any]:
-    from . import config
-
     t = str(f.type)
     kind = ("list" if t.startswith("tuple") else "bool" if t == "bool" else "int" if t.startswith("int")
             else "float" if t.startswith("float") else "str")
     rules: dict[str, Any] = {"kind": kind, "nullable": "None" in t}
-    choices = {"checkpointing": [m for m in config.CHECKPOINTING_MODES if m is not None],
-               "merged_dtype": config.MERGED_DTYPES}.get(f.name)
+    choices = {"checkpointing": [m for m in CHECKPOINTING_MODES if m is not None],
+               "merged_dtype": MERGED_DTYPES}.get(f.name)
     if choices:
         rules["choices"] = tuple(choices)
     return rules
@@ -397,98 +402,3 @@ def field_help() -> dict[str, str]:
         out.update({f"{name}.{f.name}": f.metadata["help"] for f in dataclasses.fields(cls)})
     out.update({f"fast.{k}": v for k, v in FastConfig.field_help().items()})
     return out
-
-
-# --- sources: where the model and data come from (checked before anything loads) ----------------
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def is_hub_id(name: str) -> bool:
-    return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith((".json", ".jsonl", ".csv"))
-
-
-def classify_model(base: str) -> str:
-    """'embedded', 'local' (an existing folder) or 'hub'; ValueError with the reason otherwise."""
-    if base == EMBEDDED:
-        return EMBEDDED
-    path = Path(base).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"local folder {base!r} has no config.json (not a transformers model)")
-        return "local"
-    if base.startswith((".", "/", "~")) or not is_hub_id(base):
-        raise ValueError(f"{base!r} is neither an existing local folder nor a Hub id like 'org/name'")
-    return "hub"
-
-
-def classify_dataset(name: str) -> str:
-    """'embedded', 'local' (an existing data file) or 'hub'; ValueError with the reason otherwise."""
-    if name == EMBEDDED:
-        return EMBEDDED
-    path = Path(name).expanduser()
-    if path.suffix.lower() in DATA_SUFFIXES or path.exists():
-        if not path.is_file():
-            raise ValueError(f"local file {name!r} does not exist")
-        if path.suffix.lower() not in DATA_SUFFIXES:
-            raise ValueError(f"local file {name!r} is not one of {', '.join(DATA_SUFFIXES)}")
-        return "local"
-    if not is_hub_id(name):
-        raise ValueError(f"{name!r} is neither a local {'/'.join(DATA_SUFFIXES)} file nor a Hub dataset id")
-    return "hub"
-
-
-def check_sources(cfg: RunConfig) -> list[str]:
-    """Problems with the model and dataset sources that can be found without loading them: paths
-    that do not exist, Hub ids while HF_HUB_OFFLINE is set and nothing is cached, column mappings
-    that a local file does not have, QLoRA without bitsandbytes. Returns ``field: reason`` lines."""
-    from . import run_data
-
-    errors = []
-    try:
-        kind = classify_model(cfg.model.base)
-        if kind == "hub" and hub_offline() and not _cached(cfg.model.base, "model"):
-            errors.append(f"model.base: {cfg.model.base!r} is a Hub id but HF_HUB_OFFLINE is set and it is not in "
-                          "the local cache; use a local folder or 'embedded', or unset HF_HUB_OFFLINE")
-    except ValueError as e:
-        errors.append(f"model.base: {e}")
-    try:
-        kind = classify_dataset(cfg.data.dataset)
-        if kind == "hub" and hub_offline() and not _cached(cfg.data.dataset, "dataset"):
-            errors.append(f"data.dataset: {cfg.data.dataset!r} is a Hub id but HF_HUB_OFFLINE is set and it is "
-                          "not in the local cache; upload a file or use 'embedded'")
-        elif kind in ("local", EMBEDDED):
-            available = run_data.available_columns(cfg.data.dataset, cfg.trainer)
-            errors += run_data.column_errors(cfg.trainer, cfg.data.columns, available)
-    except ValueError as e:
-        errors.append(f"data.dataset: {e}")
-    import importlib.util
-
-    if cfg.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        errors.append("method: 'qlora' needs bitsandbytes (pip install 'fasttune[qlora]')")
-    fast = cfg.fast
-    if "gguf" in fast.export_artifacts or (fast.push_to_hub and "gguf" in fast.push_artifacts):
-        if importlib.util.find_spec("gguf") is None:
-            errors.append("fast.export_artifacts: 'gguf' needs the gguf package (pip install 'fasttune[gguf]')")
-        k_quants = [q for q in fast.gguf_quantizations if "_k" in q]
-        if k_quants and importlib.util.find_spec("llama_cpp") is None:
-            errors.append(f"fast.gguf_quantizations: {', '.join(k_quants)} need llama-cpp-python "
-                          "(pip install 'fasttune[gguf-kquants]'; see the README for its build flags)")
-    return errors
-
-
-def _cached(repo_id: str, repo_type: str) -> bool:
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        return any(r.repo_id == repo_id and r.repo_type == repo_type for r in scan_cache_dir().repos)
-    except Exception:  # noqa: BLE001 - no cache folder yet, unreadable cache: treat as not cached
-        return False
-
-
-def validate(cfg: RunConfig, source: str | None = None) -> None:
-    """Raises RunConfigError when ``check_sources`` finds problems (``source``: the file, for the message)."""
-    errors = check_sources(cfg)
-    if errors:
-        raise RunConfigError(errors, source)

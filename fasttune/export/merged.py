@@ -1,10 +1,7 @@
-"""Export a trained model: the LoRA adapter, or merged 16-bit weights that load with
-``AutoModelForCausalLM.from_pretrained``.
+"""Merged 16-bit weights that load with ``AutoModelForCausalLM.from_pretrained``.
 
-Every final file is written atomically: into a staging folder inside ``out_dir`` (same file
-system), flushed and fsynced, then ``os.replace``d into place; a crash or a full disk leaves the
-previous file or none, never half of one. The live training model is never modified: merged
-tensors are computed one at a time from its weights (see ``merged_weights.py``).
+Every final file is written atomically (``atomic.py``). The live training model is never modified:
+merged tensors are computed one at a time from its weights (see ``merged_weights.py``).
 
 ``save_merged(model, out, base="org/Base-16bit")`` merges onto the original 16-bit checkpoint,
 shard by shard, so a QLoRA run yields a clean 16-bit model instead of dequantised NF4 weights.
@@ -12,125 +9,23 @@ shard by shard, so a QLoRA run yields a clean 16-bit model instead of dequantise
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
+from .atomic import staged_dir
 from .merged_weights import MergeRules, checkpoint_shards, model_weights, unwrap_model
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-
-# --- atomic files ---------------------------------------------------------------------------
-
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory so renames inside it survive a crash (no-op where unsupported)."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_path(final: str | Path) -> Iterator[Path]:
-    """Yields a temporary path next to ``final``; on success fsyncs it and renames it onto ``final``.
-
-    On error the temporary file is removed and ``final`` is untouched.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write(final: str | Path, data: bytes | str) -> Path:
-    """Writes ``data`` to ``final`` atomically (str is UTF-8 encoded)."""
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    with atomic_path(final) as tmp:
-        tmp.write_bytes(payload)
-    return Path(final)
-
-
-@contextlib.contextmanager
-def staged_dir(out_dir: str | Path) -> Iterator[Path]:
-    """A staging folder inside ``out_dir``; on success each file in it is fsynced and moved into
-    ``out_dir`` with ``os.replace`` (atomic per file). On error ``out_dir`` keeps its old files."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
-    try:
-        yield stage
-        for src in sorted(p for p in stage.rglob("*") if p.is_file()):
-            with open(src, "rb") as f:
-                os.fsync(f.fileno())
-            dst = out_dir / src.relative_to(stage)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
-        fsync_dir(out_dir)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-# --- adapter ---------------------------------------------------------------------------------
-
-def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base_model_id: str | None = None) -> Path:
-    """Saves the PEFT adapter (``adapter_model.safetensors``, ``adapter_config.json``) and tokenizer.
-
-    Args:
-        model: a ``peft.PeftModel``.
-        out_dir: destination folder (created).
-        tokenizer: saved beside the adapter when given.
-        base_model_id: Hub id written as ``base_model_name_or_path`` when the base was loaded
-            from a local path (otherwise the adapter would point at a path nobody else has).
-
-    Returns:
-        ``out_dir`` as a Path.
-    """
-    from peft import PeftModel
-
-    if not isinstance(model, PeftModel):
-        raise TypeError(f"model must be a peft.PeftModel to save an adapter, got {type(model).__name__}")
-    out_dir = Path(out_dir)
-    with staged_dir(out_dir) as stage:
-        model.save_pretrained(str(stage), safe_serialization=True)
-        if base_model_id:
-            for cfg_path in stage.rglob("adapter_config.json"):
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-                cfg["base_model_name_or_path"] = base_model_id
-                cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(stage))
-    return out_dir
-
-
-# --- merged ------------------------------------------------------------------------------------
 
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int):
@@ -354,10 +249,3 @@ def save_merged(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base: 
     logger.info("saved merged %s model to %s (%d shard(s))", str(dtype).replace("torch.", ""), out_dir,
                 len(shard_names))
     return out_dir
-
-
-def export_after_training(trainer, fast_config):
-    """End-of-``train()`` export and push (see ``hub.export_after_training``, where it is defined)."""
-    from .hub import export_after_training as run
-
-    return run(trainer, fast_config)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import gguf_arch
-from .export import atomic_path, fsync_dir
+from .atomic import atomic_path, fsync_dir
 from .gguf_tokenizer import add_tokenizer
 from .merged_weights import WeightEntry, checkpoint_weights, model_weights, unwrap_model
 

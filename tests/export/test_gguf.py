@@ -17,16 +17,16 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import gguf
-from fasttune.hf_integration import gguf as ft_gguf
-from fasttune.hf_integration.export import save_merged
-from fasttune.hf_integration.gguf import save_gguf
+from fasttune.export import gguf as ft_gguf
+from fasttune.export.merged import save_merged
+from fasttune.export.gguf import save_gguf
 from helpers.tiny_tokenizers import bpe_tokenizer, sp_model_bytes, sp_tokenizer
 
 try:
     import llama_cpp
-except ImportError:  # CI installs it (see NOTES §5 for the build flags)
+except ImportError:  # CI installs it (see docs/FACTS.md, GGUF and llama.cpp for the build flags)
     llama_cpp = None
-needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (NOTES §5)")
+needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF and llama.cpp)")
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
 ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}

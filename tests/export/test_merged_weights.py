@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from fasttune.hf_integration.merged_weights import checkpoint_shards, checkpoint_weights, model_weights
+from fasttune.export.merged_weights import checkpoint_shards, checkpoint_weights, model_weights
 from helpers.tiny_models import tiny_model
 
 

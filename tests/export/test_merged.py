@@ -2,20 +2,16 @@
 16-bit base, the live model untouched, atomic files, and the local end-of-training export."""
 
 import json
-import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from fasttune.config import FastConfig
-from fasttune.hf_integration import export
-from fasttune.hf_integration.export import atomic_path, atomic_write, save_adapter, save_merged
-from fasttune.hf_integration.hub import export_after_training
+from fasttune.export import merged as export
+from fasttune.export.merged import save_merged
 from helpers.tiny_models import tiny_model
 from helpers.tiny_tokenizers import bpe_tokenizer
 
@@ -208,36 +204,11 @@ def test_merge_onto_wrong_base_is_rejected(nf4_setup, tok, tmp_path):
         save_merged(peft_nf4, tmp_path / "m", base=str(tmp_path / "missing" / "dir"))
 
 
-def test_save_adapter_reloads_and_substitutes_base_id(tok, tmp_path):
-    base = tiny_model("llama", vocab_size=VOCAB)
-    base.config._name_or_path = str(tmp_path / "local-base")
-    peft_model = _lora(base, target_modules=["q_proj", "v_proj"])
-    ids = _ids(4)
-    ref = _logits(peft_model, ids)
-    out = save_adapter(peft_model, tmp_path / "a", tok, base_model_id="org/Base-1B")
-    assert (out / "adapter_model.safetensors").is_file() and (out / "tokenizer.json").is_file()
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/Base-1B"
-    reloaded = PeftModel.from_pretrained(tiny_model("llama", vocab_size=VOCAB), out)
-    torch.testing.assert_close(_logits(reloaded, ids), ref, rtol=1e-6, atol=1e-6)
-    with pytest.raises(TypeError, match="PeftModel"):
-        save_adapter(base, tmp_path / "b")
-
-
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype"):
         save_merged(torch.nn.Linear(2, 2), "/nonexistent", dtype="int8")
     with pytest.raises(ValueError, match="dtype"):
         save_merged(torch.nn.Linear(2, 2), "/nonexistent", dtype=torch.float64)
-
-
-def test_atomic_path_keeps_old_file_on_error(tmp_path):
-    final = atomic_write(tmp_path / "f.json", "old")
-    with pytest.raises(RuntimeError):
-        with atomic_path(final) as tmp:
-            tmp.write_bytes(b"half-writ")
-            raise RuntimeError("disk full")
-    assert final.read_text() == "old"
-    assert sorted(os.listdir(tmp_path)) == ["f.json"]
 
 
 def test_failed_export_leaves_previous_files_intact(tok, tmp_path, monkeypatch):
@@ -256,31 +227,12 @@ def test_failed_export_leaves_previous_files_intact(tok, tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no staging leftovers, same bytes
 
 
-def test_export_after_training_local(tok, tmp_path):
-    peft_model = _lora(tiny_model("llama", vocab_size=VOCAB), target_modules=["q_proj", "v_proj"])
-    history = [{"loss": 2.0, "step": 1}, {"loss": 1.5, "step": 2, "tokens_per_second": 1234.5, "peak_memory_gib": 1.5},
-               {"train_runtime": 3.2, "train_loss": 1.75, "step": 2}]
-    trainer = SimpleNamespace(model=peft_model, processing_class=tok, args=SimpleNamespace(output_dir=str(tmp_path)),
-                              state=SimpleNamespace(global_step=2, log_history=history),
-                              is_world_process_zero=lambda: True)
-    cfg = FastConfig(export_artifacts=("adapter", "merged"), hub_model_id="me/run", merged_dtype="float32")
-    result = export_after_training(trainer, cfg)
-    assert set(result["folders"]) == {"adapter", "merged"} and result["urls"] == {}
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    assert (tmp_path / "merged" / "model.safetensors").is_file()
-    card = (tmp_path / "merged" / "README.md").read_text()
-    assert "library_name: transformers" in card and "me/run-lora" in card and "| 2 | 1.5 | 1,234 | 1.5 | 3.2 |" in card
-    trainer.is_world_process_zero = lambda: False
-    assert export_after_training(trainer, cfg) is None
-    assert export_after_training(SimpleNamespace(is_world_process_zero=lambda: True), FastConfig()) is None
-
-
 @pytest.mark.gpu
 def test_export_from_cuda_models(tok, tmp_path):
     """Merged weights computed on the GPU (fp16-free fp32 LoRA, and an NF4 base) reach CPU files intact."""
     from transformers import BitsAndBytesConfig
 
-    from fasttune.hf_integration.gguf import save_gguf
+    from fasttune.export.gguf import save_gguf
 
     peft_model = _lora(tiny_model("llama", vocab_size=VOCAB)).cuda()
     ids = _ids(6)

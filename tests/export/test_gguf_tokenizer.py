@@ -3,7 +3,7 @@
 import gguf
 import pytest
 
-from fasttune.hf_integration.gguf_tokenizer import _pre_tokenizer_name, add_tokenizer
+from fasttune.export.gguf_tokenizer import _pre_tokenizer_name, add_tokenizer
 from helpers.tiny_tokenizers import bpe_tokenizer, sp_tokenizer
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from . import embedded
-from .config import FastConfig
+from .. import embedded
+from ..config import FastConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,7 +68,7 @@ def run(argv=None) -> dict:
     """Run the quickstart; returns the metrics it also writes to ``<output-dir>/metrics.json``."""
     from transformers import TrainingArguments
 
-    from .hf_integration.trainer import FastTrainer
+    from ..hf_integration.trainer import FastTrainer
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -13,9 +13,7 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -155,65 +153,8 @@ def test_failed_push_keeps_artifacts_and_rerun_completes(server, tmp_path):
     _assert_token_nowhere(server, report, report["output_dir"])
 
 
-def test_rejected_call_is_not_retried_and_scrubbed(tmp_path):
-    from fasttune.hf_integration.hub import HubPushError, RetryPolicy, _Hub
-
-    hub = _Hub(TOKEN, RetryPolicy(attempts=4, base_delay=0.0, call_timeout=5.0), tmp_path)
-    calls = []
-
-    def fail(status):
-        def call():
-            calls.append(status)
-            err = RuntimeError(f"HTTP {status} for Authorization: Bearer {TOKEN}")
-            err.response = SimpleNamespace(status_code=status, headers={})
-            raise err
-        return call
-
-    with pytest.raises(HubPushError) as info:
-        hub.call("create_repo x", fail(403))
-    assert calls == [403] and info.value.status_code == 403
-    assert TOKEN not in str(info.value) and "Bearer ***" in str(info.value)
-    assert info.value.__cause__ is None and info.value.__suppress_context__
-    calls.clear()
-    with pytest.raises(HubPushError):
-        hub.call("commit", fail(503))
-    assert calls == [503] * 4
-    flaky = iter([fail(500), fail(429), lambda: "ok"])
-    assert hub.call("commit", lambda: next(flaky)()) == "ok"
-
-
-def test_deadline_turns_a_hang_into_a_retry(tmp_path):
-    from fasttune.hf_integration.hub import RetryPolicy, _Hub
-
-    hub = _Hub(TOKEN, RetryPolicy(attempts=3, base_delay=0.0, call_timeout=0.3), tmp_path)
-    answers = iter([lambda: time.sleep(2.0), lambda: "done"])
-    start = time.monotonic()
-    assert hub.call("commit", lambda: next(answers)()) == "done"
-    assert time.monotonic() - start < 1.5
-
-
-def test_run_stats_and_loss_curve(tmp_path, monkeypatch):
-    from fasttune.hf_integration.hub import run_stats_from_state, write_loss_curve
-
-    state = SimpleNamespace(global_step=30, log_history=[
-        {"loss": 2.0, "step": 10, "tokens_per_second": 100.0, "peak_memory_gib": 3.0},
-        {"loss": 1.5, "step": 20, "tokens_per_second": 110.0, "peak_memory_gib": 4.5},
-        {"eval_loss": 1.8, "step": 20},
-        {"loss": 1.25, "step": 30, "tokens_per_second": 120.0, "peak_memory_gib": 4.0},
-        {"train_runtime": 12.5, "train_loss": 1.6, "step": 30}])
-    stats = run_stats_from_state(state)
-    assert stats == {"global_step": 30, "final_loss": 1.25, "tokens_per_second": 120.0, "peak_memory_gib": 4.5,
-                     "train_runtime": 12.5, "loss_curve": [(10, 2.0), (20, 1.5), (30, 1.25)]}
-    assert write_loss_curve(stats["loss_curve"], tmp_path / "a.png") is None
-    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
-    assert "fewer than two" in write_loss_curve([(1, 1.0)], tmp_path / "b.png")
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    assert "matplotlib is not installed" in write_loss_curve(stats["loss_curve"], tmp_path / "c.png")
-    assert not (tmp_path / "b.png").exists() and not (tmp_path / "c.png").exists()
-
-
 def test_push_argument_errors():
-    from fasttune.hf_integration.hub import push_to_hub
+    from fasttune.export.hub import push_to_hub
 
     with pytest.raises(ValueError, match="artifacts"):
         push_to_hub(None, None, "me/x", artifacts=("weights",))
@@ -255,7 +196,7 @@ def _scenario_full(out: Path) -> dict:
 
     import gguf
     from fasttune.config import FastConfig
-    from fasttune.hf_integration.hub import export_after_training
+    from fasttune.hf_integration.train_end import export_after_training
     from helpers.tiny_models import tiny_model
 
     peft_model, tok = _tiny_peft()
@@ -294,7 +235,7 @@ def _scenario_full(out: Path) -> dict:
 
 
 def _scenario_faults(out: Path) -> dict:
-    from fasttune.hf_integration.hub import RetryPolicy, push_to_hub
+    from fasttune.export.hub import RetryPolicy, push_to_hub
 
     model, tok = _tiny_peft()
     urls = push_to_hub(model, tok, "faulty", artifacts=("adapter", "gguf"), token=TOKEN, output_dir=out / "art",
@@ -305,7 +246,7 @@ def _scenario_faults(out: Path) -> dict:
 def _scenario_rerun(out: Path) -> dict:
     from safetensors.torch import load_file
 
-    from fasttune.hf_integration.hub import HubPushError, RetryPolicy, push_to_hub
+    from fasttune.export.hub import HubPushError, RetryPolicy, push_to_hub
 
     model, tok = _tiny_peft()
     art = out / "art"

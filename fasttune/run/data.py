@@ -1,13 +1,13 @@
 """Training data for a run: the embedded task, local files or a Hub dataset, mapped onto TRL's columns.
 
 A run config's ``data.columns`` maps roles to dataset columns; the roles are TRL's column names
-(``run_config.FORMATS``): sft takes prompt+completion, messages (chat turns) or text; dpo takes
+(``config.FORMATS``): sft takes prompt+completion, messages (chat turns) or text; dpo takes
 prompt+chosen+rejected (or chosen+rejected with the prompt inside the conversations). An empty
 mapping picks the first format whose names the dataset already has. ``load_train_dataset``
 renames the mapped columns to the roles and drops the rest, so TRL sees exactly one format.
 
 Previews and column checks read local files with the standard library only (the Space and
-``run_config.check_sources`` use them before anything heavy is imported).
+``checks.check_sources`` use them before anything heavy is imported).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .run_config import EMBEDDED, FORMATS, classify_dataset
+from .config import FORMATS
+from .sources import EMBEDDED, classify_dataset
 
 EMBEDDED_ROWS = 2000
 
@@ -25,7 +26,7 @@ EMBEDDED_ROWS = 2000
 def embedded_rows(trainer: str, n: int = EMBEDDED_ROWS, seed: int = 0) -> list[dict[str, str]]:
     """The embedded shift task: prompt/completion rows for sft, prompt/chosen/rejected for dpo
     (the rejected answer repeats the word unshifted, a plausible wrong answer)."""
-    from .embedded import make_task
+    from ..embedded import make_task
 
     rows = make_task(n, seed=seed)
     if trainer == "dpo":

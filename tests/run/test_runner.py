@@ -1,4 +1,4 @@
-"""The runner: state.json, stop handling, trainer arguments, a stopped DPO run, export from a run folder."""
+"""The runner: trainer arguments, a failed and a stopped run, export from a run folder."""
 
 from __future__ import annotations
 
@@ -9,74 +9,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fasttune import runner
-from fasttune.run_config import RunConfig, load_run_config
+from fasttune.run import runner
+from fasttune.run.config import RunConfig, load_run_config
+from fasttune.run.folder import read_state
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_state_file_merges_updates_atomically(tmp_path):
-    assert runner.read_state(tmp_path) == {}
-    runner.write_state(tmp_path, status="running", step=1, loss=[[1, 2.0]])
-    state = runner.write_state(tmp_path, step=2)
-    assert state["status"] == "running" and state["step"] == 2 and state["loss"] == [[1, 2.0]]
-    assert runner.read_state(tmp_path) == state
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # no temporary files left
-    (tmp_path / "state.json").write_text('{"status": "runn')  # a torn file reads as no state
-    assert runner.read_state(tmp_path) == {}
-
-
-def test_other_ranks_never_write_state_json(tmp_path, monkeypatch):
-    runner.write_state(tmp_path, status="running", step=3)
-    monkeypatch.setenv("RANK", "1")
-    runner.write_state(tmp_path, status="running", step=5)
-    assert runner.read_state(tmp_path)["step"] == 5
-    monkeypatch.setenv("RANK", "0")
-    assert runner.read_state(tmp_path)["step"] == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".state.rank1.json", "state.json"]
-
-
-def test_stop_signal_stops_at_step_end_inside_the_loop_and_at_once_outside():
-    stop = runner.StopSignal().install()
-    try:
-        stop.in_loop = True
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.requested
-        stop.in_loop = False
-        with pytest.raises(runner.StopRequested):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)  # the handler runs between bytecodes of this thread
-    finally:
-        stop.uninstall()
-    assert signal.getsignal(signal.SIGTERM) is not stop._handle
-
-
-def test_state_callback_records_logs_and_honours_a_stop(tmp_path):
-    stop = runner.StopSignal()
-    cb = runner._state_callback(tmp_path, stop)
-    state = SimpleNamespace(max_steps=10, global_step=0, epoch=0.0)
-    control = SimpleNamespace(should_training_stop=False)
-    cb.on_train_begin(None, state, control)
-    assert stop.in_loop and runner.read_state(tmp_path)["status"] == "running"
-    for step, loss in ((2, 3.5), (4, 2.5)):
-        state.global_step, state.epoch = step, step / 10
-        cb.on_log(None, state, control, logs={"loss": loss, "learning_rate": 1e-3, "note": "x"})
-    cb.on_log(None, state, control, logs={"train_runtime": 1.5})
-    saved = runner.read_state(tmp_path)
-    assert saved["loss"] == [[2, 3.5], [4, 2.5]] and saved["step"] == 4 and saved["max_steps"] == 10
-    assert saved["last_log"] == {"train_runtime": 1.5, "step": 4}
-    lines = [json.loads(x) for x in (tmp_path / "log_history.jsonl").read_text().splitlines()]
-    assert [x.get("loss") for x in lines] == [3.5, 2.5, None] and lines[0]["note"] == "x"
-    cb.on_step_end(None, state, control)
-    assert control.should_training_stop is False
-    stop.requested = True
-    cb.on_step_end(None, state, control)
-    assert control.should_training_stop is True
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_training_args_map_the_training_section(tmp_path):
@@ -101,7 +42,7 @@ def test_a_data_problem_fails_the_run_before_the_model_loads(tmp_path):
     cfg = RunConfig.from_dict({"data": {"dataset": str(data), "columns": {"prompt": "q", "completion": "answer"}}})
     with pytest.raises(ValueError, match="column 'answer' is not in the dataset"):
         runner.train(cfg, tmp_path / "run")
-    state = runner.read_state(tmp_path / "run")
+    state = read_state(tmp_path / "run")
     assert state["status"] == "failed" and "column 'answer'" in state["error"]
     assert not (tmp_path / "run" / "base").exists()  # the model was never built
     assert "column 'answer'" in (tmp_path / "run" / "train.log").read_text()
@@ -120,7 +61,7 @@ def stopped_dpo_run(tmp_path_factory):
     try:
         deadline = time.time() + 180
         while time.time() < deadline and proc.poll() is None:
-            if runner.read_state(run_dir).get("step", 0) >= 2:
+            if read_state(run_dir).get("step", 0) >= 2:
                 break
             time.sleep(0.3)
         assert proc.poll() is None, proc.stdout.read()[-4000:]
@@ -136,7 +77,7 @@ def stopped_dpo_run(tmp_path_factory):
 def test_sigterm_stops_a_dpo_run_cleanly(stopped_dpo_run):
     run_dir, code, out = stopped_dpo_run
     assert code == 3, out[-4000:]
-    state = runner.read_state(run_dir)
+    state = read_state(run_dir)
     assert state["status"] == "stopped" and 2 <= state["step"] < 500
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["stopped"] is True and metrics["trainer_class"] in ("FastDPOTrainer", "DPOTrainer")
@@ -153,7 +94,7 @@ def test_export_from_a_run_folder_matches_the_adapter(stopped_dpo_run):
     run_dir = stopped_dpo_run[0]
     folders = runner.export_run(run_dir, ["merged"], merged_dtype="float32")
     assert folders == {"merged": str(run_dir / "merged")}
-    assert runner.read_state(run_dir)["artifacts"]["merged"] == str(run_dir / "merged")
+    assert read_state(run_dir)["artifacts"]["merged"] == str(run_dir / "merged")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from fasttune import run_data
-from fasttune.run_config import RunConfig
+from fasttune.run import data as run_data
+from fasttune.run.config import RunConfig
 
 
 def _write_jsonl(path, rows):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fasttune.hf_integration.gguf_arch import head_dim, permute_rows, rope_settings
+from fasttune.export.gguf_arch import head_dim, permute_rows, rope_settings
 
 
 def _rope_rotate_half(x, pos, theta=10000.0):

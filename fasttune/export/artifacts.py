@@ -1,0 +1,61 @@
+"""The artifacts of a finished run under one folder: ``adapter/``, ``merged/`` (16-bit) and ``gguf/``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Sequence
+
+from ..config import ARTIFACTS
+from .adapter import save_adapter
+from .gguf import save_gguf
+from .merged import save_merged
+
+logger = logging.getLogger(__name__)
+
+
+def hub_id_or_none(name: str | None) -> str | None:
+    """``name`` if it looks like a Hub model id (``namespace/name``, not a local path), else None."""
+    if not name or os.path.exists(name) or not re.fullmatch(r"[\w.\-]+/[\w.\-]+", str(name)):
+        return None
+    return str(name)
+
+
+def hub_repos(repo_id: str, kinds) -> dict[str, str]:
+    """Artifact kind → its Hub repo, for the kinds in ``kinds``: merged → ``repo_id``, adapter →
+    ``<repo_id>-lora``, GGUF → ``<repo_id>-GGUF``."""
+    repos = {"adapter": f"{repo_id}-lora", "merged": repo_id, "gguf": f"{repo_id}-GGUF"}
+    return {k: v for k, v in repos.items() if k in kinds}
+
+
+def export_artifacts(model, tokenizer, root: str | Path, artifacts: Sequence[str], *, name: str,
+                     gguf_quantizations: Sequence[str] = ("q8_0",), merged_dtype: str = "bfloat16",
+                     base_model_id: str | None = None, merge_base: str | None = None) -> dict[str, Path]:
+    """Saves the requested artifacts under ``root/{adapter,merged,gguf}``; returns kind → folder.
+
+    The adapter is skipped (with a log line) for a model without PEFT adapters.
+    """
+    from peft import PeftModel
+
+    bad = [a for a in artifacts if a not in ARTIFACTS]
+    if bad:
+        raise ValueError(f"artifacts: {bad} not in {ARTIFACTS}")
+    root = Path(root)
+    out: dict[str, Path] = {}
+    if "adapter" in artifacts:
+        if isinstance(model, PeftModel):
+            out["adapter"] = save_adapter(model, root / "adapter", tokenizer, base_model_id=base_model_id)
+        else:
+            logger.warning("not a PEFT model: skipping the adapter artifact")
+    if "merged" in artifacts:
+        out["merged"] = save_merged(model, root / "merged", tokenizer, base=merge_base, dtype=merged_dtype)
+    if "gguf" in artifacts:
+        source = out.get("merged", model)
+        written = save_gguf(source, tokenizer, root / "gguf", gguf_quantizations, name=name,
+                            base_model_id=base_model_id)
+        for stale in set((root / "gguf").glob("*.gguf")) - set(written):  # from an earlier export here
+            stale.unlink()
+        out["gguf"] = root / "gguf"
+    return out
