@@ -69,7 +69,8 @@ def _logit_slope(z, logit_scale, inv_softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(row_ptr, V, logit_scale, softcap, inv_softcap, inv_temp,
+def _online_softmax(row_ptr,  # one row of raw products x = h·Wᵀ + b [n_vocab], contiguous; fp32/bf16/fp16
+                    n_vocab, logit_scale, softcap, inv_softcap, inv_temp,
                     HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, SUM_PZ: tl.constexpr,
                     ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr):
     """One read of a row of raw products. Returns, for zt = z·inv_temp:
@@ -80,9 +81,9 @@ def _online_softmax(row_ptr, V, logit_scale, softcap, inv_softcap, inv_temp,
     zsum = 0.0
     ez = 0.0
     best = 0
-    for start in range(0, V, BLOCK_V):
+    for start in range(0, n_vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
+        mask = cols < n_vocab
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z = _logits(x, logit_scale, softcap, inv_softcap, HAS_SOFTCAP) * inv_temp
         z = tl.where(mask, z, float("-inf"))
