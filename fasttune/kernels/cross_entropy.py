@@ -321,25 +321,6 @@ def _num_items(num_items_in_batch, device):
     return torch.full((1,), float(num_items_in_batch) or 1.0, device=device)
 
 
-def _cross_entropy_eager(logits, labels, ignore_index, reduction, count, num, eps, softcap, z_loss):
-    """Plain-PyTorch twin of ``cross_entropy`` (autograd), for devices Triton cannot run on."""
-    z = logits.float()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    valid = labels != ignore_index
-    lse = torch.logsumexp(z, dim=-1)
-    z_y = z.gather(1, torch.where(valid, labels, 0).long()[:, None]).squeeze(1)
-    loss = (1.0 - eps) * (lse - z_y) + z_loss * lse * lse
-    if eps:
-        loss = loss + eps * (lse - z.mean(dim=-1))
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
-    if reduction == "none":
-        return loss
-    if num is not None:
-        return loss.sum() / num.reshape(())
-    return loss.sum() / (max(count, 1) if reduction == "mean" else 1)
-
-
 def _reference_chunk_rows(workspace_mib, V: int) -> int:
     mib = 1024 if workspace_mib is None else workspace_mib
     return max(1, int(mib * 2 ** 20 // (4 * V)))  # the reference works in fp32
@@ -412,8 +393,10 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", num_it
     count = label_summary(labels, V, ignore_index)
     num = _num_items(num_items_in_batch, logits.device)
     if not use_triton(logits, labels):
-        return _cross_entropy_eager(logits, labels, ignore_index, reduction, count, num, label_smoothing,
-                                    softcap, z_loss)
+        return reference.cross_entropy(
+            logits, labels, ignore_index=ignore_index, reduction=reduction,
+            num_items_in_batch=None if num is None else num.reshape(()), label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss)
     opts = _Options(ignore_index, float(label_smoothing), softcap, None, float(z_loss), reduction)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
