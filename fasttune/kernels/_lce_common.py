@@ -36,8 +36,8 @@ FP16_GRAD_SCALE = 2.0 ** 11  # |dX| ≤ ~|logit_scale|·(1 + 2λ·lse): 2^11 lea
 
 @triton.jit
 def _tanh(x):
-    # No libdevice (NOTES §2). exp form for |x| ≥ 1/8, odd Taylor series below (keeps fp32 relative
-    # precision near 0, where 1 - e^{-2|x|} would cancel).
+    # No libdevice (docs/FACTS.md, Triton interpreter). exp form for |x| ≥ 1/8, odd Taylor series
+    # below (keeps fp32 relative precision near 0, where 1 - e^{-2|x|} would cancel).
     ax = tl.abs(x)
     t = tl.exp(-2.0 * ax)
     big = (1.0 - t) / (1.0 + t)
@@ -69,7 +69,8 @@ def _logit_slope(z, logit_scale, inv_softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(row_ptr, V, logit_scale, softcap, inv_softcap, inv_temp,
+def _online_softmax(row_ptr,  # one row of raw products x = h·Wᵀ + b [n_vocab], contiguous; fp32/bf16/fp16
+                    n_vocab, logit_scale, softcap, inv_softcap, inv_temp,
                     HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, SUM_PZ: tl.constexpr,
                     ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr):
     """One read of a row of raw products. Returns, for zt = z·inv_temp:
@@ -80,9 +81,9 @@ def _online_softmax(row_ptr, V, logit_scale, softcap, inv_softcap, inv_temp,
     zsum = 0.0
     ez = 0.0
     best = 0
-    for start in range(0, V, BLOCK_V):
+    for start in range(0, n_vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
+        mask = cols < n_vocab
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z = _logits(x, logit_scale, softcap, inv_softcap, HAS_SOFTCAP) * inv_temp
         z = tl.where(mask, z, float("-inf"))

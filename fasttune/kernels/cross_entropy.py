@@ -62,8 +62,17 @@ __all__ = ["fused_linear_cross_entropy", "cross_entropy"]
 
 @triton.jit
 def _cross_entropy_kernel(
-    x_ptr, dx_ptr, labels_ptr, row_w_ptr, scale_ptr, loss_ptr, lse_ptr, ent_ptr, correct_ptr,
-    V, stride_x, stride_dx, ignore_index, label_smoothing, z_loss, logit_scale, softcap, inv_softcap,
+    x_ptr,  # raw products x = h·Wᵀ + b [rows, n_vocab], rows stride_x apart; fp32/bf16/fp16
+    dx_ptr,  # out: dX [rows, n_vocab], rows stride_dx apart; x's dtype (may be x_ptr: in place; WRITE_GRAD only)
+    labels_ptr,  # labels [rows], integer
+    row_w_ptr,  # upstream weight r_i per row [rows], fp32 (HAS_ROW_WEIGHT only)
+    scale_ptr,  # gradient factor c [1], fp32 (WRITE_GRAD only; _lce_common.GradScaling)
+    loss_ptr,  # out: loss per row [rows], fp32 (ONLINE only)
+    lse_ptr,  # lse per row [rows], fp32: written when ONLINE, else read
+    ent_ptr,  # out: entropy per row [rows], fp32 (STATS only)
+    correct_ptr,  # out: argmax == label per row [rows], int8 (STATS only)
+    n_vocab, ignore_index, label_smoothing, z_loss, logit_scale, softcap, inv_softcap,
+    stride_x, stride_dx,
     HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ONLINE: tl.constexpr, STATS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, HAS_ROW_WEIGHT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -72,16 +81,16 @@ def _cross_entropy_kernel(
     y = tl.load(labels_ptr + row)
     # Out-of-range labels were rejected on the host; treating them as ignored here only keeps every
     # load in bounds.
-    valid = (y != ignore_index) & (y >= 0) & (y < V)
+    valid = (y != ignore_index) & (y >= 0) & (y < n_vocab)
     y = tl.where(valid, y, 0).to(tl.int32)
     if ONLINE:
-        m, s, zsum, ez, best = _online_softmax(x_row, V, logit_scale, softcap, inv_softcap, 1.0,
+        m, s, zsum, ez, best = _online_softmax(x_row, n_vocab, logit_scale, softcap, inv_softcap, 1.0,
                                                HAS_SOFTCAP, SMOOTH, STATS, STATS, BLOCK_V)
         lse = m + tl.log(s)
         z_y = _logits(tl.load(x_row + y).to(tl.float32), logit_scale, softcap, inv_softcap, HAS_SOFTCAP)
         loss = (1.0 - label_smoothing) * (lse - z_y) + z_loss * lse * lse
         if SMOOTH:
-            loss += label_smoothing * (lse - zsum / V)
+            loss += label_smoothing * (lse - zsum / n_vocab)
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + row, lse)
         if STATS:
@@ -95,14 +104,14 @@ def _cross_entropy_kernel(
             w = w * tl.load(row_w_ptr + row)
         w = tl.where(valid, w, 0.0)
         a = 1.0 + 2.0 * z_loss * lse
-        off = label_smoothing / V
+        off = label_smoothing / n_vocab
         hit = 1.0 - label_smoothing
         dx_row = dx_ptr + row * stride_dx
-        n_blocks = tl.cdiv(V, BLOCK_V)
+        n_blocks = tl.cdiv(n_vocab, BLOCK_V)
         for i in range(0, n_blocks):
             # Backwards: the row's tail, read last by pass 1, is the likeliest still in L2.
             cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-            mask = cols < V
+            mask = cols < n_vocab
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             z = _logits(x, logit_scale, softcap, inv_softcap, HAS_SOFTCAP)
             p = tl.exp(z - lse)
@@ -134,12 +143,14 @@ def _launch(opts: _Options, x, labels, lse, *, dx=None, loss=None, ent=None, cor
     write = dx is not None
     stats = ent is not None
     dummy = lse
+    logit_scale, softcap, inv_softcap = transform_args(opts.logit_scale, opts.softcap)
     _cross_entropy_kernel[(rows,)](
         x, dx if write else x, labels, row_w if row_w is not None else dummy,
         scale if scale is not None else dummy, loss if loss is not None else dummy, lse,
         ent if stats else dummy, correct if stats else dummy,
-        V, x.stride(0), (dx if write else x).stride(0), opts.ignore_index, float(opts.label_smoothing),
-        float(opts.z_loss), *transform_args(opts.logit_scale, opts.softcap),
+        n_vocab=V, ignore_index=opts.ignore_index, label_smoothing=float(opts.label_smoothing),
+        z_loss=float(opts.z_loss), logit_scale=logit_scale, softcap=softcap, inv_softcap=inv_softcap,
+        stride_x=x.stride(0), stride_dx=(dx if write else x).stride(0),
         HAS_SOFTCAP=opts.softcap is not None, SMOOTH=opts.label_smoothing != 0, ONLINE=loss is not None,
         STATS=stats, WRITE_GRAD=write, HAS_ROW_WEIGHT=row_w is not None, BLOCK_V=block, num_warps=warps,
     )
@@ -310,25 +321,6 @@ def _num_items(num_items_in_batch, device):
     return torch.full((1,), float(num_items_in_batch) or 1.0, device=device)
 
 
-def _cross_entropy_eager(logits, labels, ignore_index, reduction, count, num, eps, softcap, z_loss):
-    """Plain-PyTorch twin of ``cross_entropy`` (autograd), for devices Triton cannot run on."""
-    z = logits.float()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    valid = labels != ignore_index
-    lse = torch.logsumexp(z, dim=-1)
-    z_y = z.gather(1, torch.where(valid, labels, 0).long()[:, None]).squeeze(1)
-    loss = (1.0 - eps) * (lse - z_y) + z_loss * lse * lse
-    if eps:
-        loss = loss + eps * (lse - z.mean(dim=-1))
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
-    if reduction == "none":
-        return loss
-    if num is not None:
-        return loss.sum() / num.reshape(())
-    return loss.sum() / (max(count, 1) if reduction == "mean" else 1)
-
-
 def _reference_chunk_rows(workspace_mib, V: int) -> int:
     mib = 1024 if workspace_mib is None else workspace_mib
     return max(1, int(mib * 2 ** 20 // (4 * V)))  # the reference works in fp32
@@ -401,8 +393,10 @@ def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", num_it
     count = label_summary(labels, V, ignore_index)
     num = _num_items(num_items_in_batch, logits.device)
     if not use_triton(logits, labels):
-        return _cross_entropy_eager(logits, labels, ignore_index, reduction, count, num, label_smoothing,
-                                    softcap, z_loss)
+        return reference.cross_entropy(
+            logits, labels, ignore_index=ignore_index, reduction=reduction,
+            num_items_in_batch=None if num is None else num.reshape(()), label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss)
     opts = _Options(ignore_index, float(label_smoothing), softcap, None, float(z_loss), reduction)
     if logits.stride(1) != 1:
         logits = logits.contiguous()

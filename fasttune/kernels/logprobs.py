@@ -41,17 +41,25 @@ __all__ = ["fused_linear_logprobs"]
 
 @triton.jit
 def _logprobs_kernel(
-    x_ptr, labels_ptr, logp_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, scale_ptr,
-    V, stride_x, logit_scale, softcap, inv_softcap, inv_temp,
+    x_ptr,  # raw products x = h·Wᵀ + b [rows, n_vocab], rows stride_x apart; fp32/bf16/fp16 (dX written over it)
+    labels_ptr,  # labels [rows], integer (< 0 reads as 0)
+    logp_ptr,  # out: log-probability of the label per row [rows], fp32 (ONLINE only)
+    lse_ptr,  # lse of z/T per row [rows], fp32: written when ONLINE, read when WRITE_GRAD
+    ent_ptr,  # entropy per row [rows], fp32: written when ONLINE, read when WRITE_GRAD (ENTROPY only)
+    g_ptr,  # upstream gradient of logp per row [rows], fp32 (WRITE_GRAD only)
+    e_ptr,  # upstream gradient of the entropy per row [rows], fp32 (WRITE_GRAD and ENTROPY only)
+    scale_ptr,  # gradient factor c [1], fp32 (WRITE_GRAD only; _lce_common.GradScaling)
+    n_vocab, logit_scale, softcap, inv_softcap, inv_temp,
+    stride_x,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, ONLINE: tl.constexpr, WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     y = tl.load(labels_ptr + row)
-    y = tl.where((y >= 0) & (y < V), y, 0).to(tl.int32)  # < 0 reads as 0; ≥ V was rejected on the host
+    y = tl.where((y >= 0) & (y < n_vocab), y, 0).to(tl.int32)  # < 0 reads as 0; ≥ V was rejected on the host
     if ONLINE:
-        m, s, zsum, ez, best = _online_softmax(x_row, V, logit_scale, softcap, inv_softcap, inv_temp,
+        m, s, zsum, ez, best = _online_softmax(x_row, n_vocab, logit_scale, softcap, inv_softcap, inv_temp,
                                                HAS_SOFTCAP, False, ENTROPY, False, BLOCK_V)
         lse = m + tl.log(s)
         t_y = _logits(tl.load(x_row + y).to(tl.float32), logit_scale, softcap, inv_softcap, HAS_SOFTCAP)
@@ -67,9 +75,9 @@ def _logprobs_kernel(
         if ENTROPY:
             h = tl.load(ent_ptr + row)
             e = tl.load(e_ptr + row) * c
-        for start in range(0, V, BLOCK_V):
+        for start in range(0, n_vocab, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < V
+            mask = cols < n_vocab
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             z = _logits(x, logit_scale, softcap, inv_softcap, HAS_SOFTCAP)
             logp = z * inv_temp - lse
@@ -96,10 +104,12 @@ def _launch(opts: _Options, x, labels, lse, ent, *, logp=None, g=None, e=None, s
     if rows == 0:
         return
     block, warps = block_config(V)
+    logit_scale, softcap, inv_softcap = transform_args(opts.logit_scale, opts.softcap)
     _logprobs_kernel[(rows,)](
         x, labels, logp if logp is not None else lse, lse, ent if ent is not None else lse,
         g if g is not None else lse, e if e is not None else lse, scale if scale is not None else lse,
-        V, x.stride(0), *transform_args(opts.logit_scale, opts.softcap), 1.0 / float(opts.temperature),
+        n_vocab=V, logit_scale=logit_scale, softcap=softcap, inv_softcap=inv_softcap,
+        inv_temp=1.0 / float(opts.temperature), stride_x=x.stride(0),
         HAS_SOFTCAP=opts.softcap is not None, ENTROPY=ent is not None, ONLINE=logp is not None,
         WRITE_GRAD=g is not None, BLOCK_V=block, num_warps=warps,
     )

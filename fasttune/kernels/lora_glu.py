@@ -51,8 +51,13 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n_rows, n_cols, stride_h, ACT: tl.constexpr, DTYPE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _glu_fwd_kernel(
+    g_ptr,  # G = gate(X) [n_rows, I], contiguous; DTYPE
+    u_ptr,  # U = up(X) [n_rows, I], contiguous; DTYPE
+    h_ptr,  # out: H = act(G)·U [n_rows, I], rows stride_h apart, unit column stride; DTYPE
+    n_rows, n_cols, stride_h,
+    ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
     # A [BLOCK_M, BLOCK_N] tile per program: G, U rows contiguous ([N, I]); H rows ``stride_h``
     # apart (the widened input of a widened down projection, lora_wide.py).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
@@ -65,8 +70,13 @@ def _glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n_rows, n_cols, stride_h, ACT: tl.const
 
 
 @triton.jit
-def _glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, n, ACT: tl.constexpr, STORE_H: tl.constexpr,
-                    DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_bwd_kernel(
+    g_ptr,  # G [n], contiguous; DTYPE; dG is written over it
+    u_ptr,  # U [n], contiguous; DTYPE; dU is written over it
+    dh_ptr,  # dH [n], contiguous; DTYPE; H is written over it when STORE_H
+    n,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):
     # In place: dG over G, dU over U, H over dH.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

@@ -64,7 +64,13 @@ def cast_rne(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _nf4_dequant_kernel(
-    packed_ptr, table_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, out_ptr,
+    packed_ptr,  # packed codes [n_bytes], uint8, two 4-bit codes per byte (high nibble first)
+    table_ptr,  # the 16 NF4 code values [16], fp32
+    absmax_ptr,  # per-block scales [n / BLOCKSIZE]: floating point, or uint8 codes when NESTED
+    code2_ptr,  # the second-level code book [256], fp32 (NESTED only)
+    absmax2_ptr,  # second-level scales [blocks / BLOCKSIZE2], fp32 (NESTED only)
+    offset_ptr,  # the nested scales' offset [1], fp32 (NESTED only)
+    out_ptr,  # out: the weight [n], contiguous; OUT_DTYPE
     n, n_bytes,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
     STATE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BYTES: tl.constexpr,

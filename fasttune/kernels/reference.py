@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "fused_linear_cross_entropy",
+    "cross_entropy",
     "fused_linear_logprobs",
     "rms_norm",
     "rms_norm_add",
@@ -154,6 +155,36 @@ def fused_linear_cross_entropy(
         "correct": torch.cat(cor) if cor else torch.zeros(0, dtype=torch.bool, device=hidden.device),
     }
     return loss, stats
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                  reduction: str = "mean", num_items_in_batch=None, label_smoothing: float = 0.0,
+                  softcap: float | None = None, z_loss: float = 0.0) -> torch.Tensor:
+    """Cross-entropy on given logits [N, V]: per row, with z = softcap·tanh(logits/softcap) in
+    float32, (1−ε)(lse − z_y) + z_loss·lse² + ε(lse − mean_j z_j), 0 where ignored. "mean" divides
+    by the count of non-ignored rows (at least 1); ``num_items_in_batch`` (a number or a 1-element
+    tensor; 0 reads as 1) divides the sum instead. Returns a float32 loss (0-d, or [N] for "none").
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    z = logits.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = labels != ignore_index
+    lse = torch.logsumexp(z, dim=-1)
+    z_y = z.gather(1, torch.where(valid, labels, 0).long()[:, None]).squeeze(1)
+    loss = (1.0 - label_smoothing) * (lse - z_y) + z_loss * lse * lse
+    if label_smoothing:
+        loss = loss + label_smoothing * (lse - z.mean(dim=-1))
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if num_items_in_batch is not None:
+        num = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=loss.device).detach().reshape(())
+        return loss.sum() / torch.where(num == 0, torch.ones_like(num), num)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)
 
 
 def _chunk_logprobs(hidden, weight, bias, labels, temperature, softcap, logit_scale):

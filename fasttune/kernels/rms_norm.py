@@ -30,7 +30,8 @@ input. A frozen weight (requires_grad False) skips the dw work entirely.
 Dtypes: x, residual and weight in float32, bfloat16 or float16 (x and residual alike). Any leading
 shape; rows are flattened, and a tensor whose rows are not a single stride apart (or whose last
 dim is strided) is copied to contiguous first. Rows wider than ``_MAX_FWD_BLOCK`` /
-``_MAX_BWD_BLOCK`` elements take a slower chunked path that reads the row twice.
+``_MAX_BWD_BLOCK`` elements take a slower chunked path that reads the row twice (the backward's
+is in ``_rms_norm_wide.py``).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttune.kernels import reference
-from fasttune.kernels._backend import check_float, check_same_device, use_triton
-from fasttune.kernels.spare_columns import SpareColumns, output_rows
+from . import reference
+from ._backend import check_float, check_same_device, use_triton
+from ._rms_norm_wide import bwd_wide_rows
+from .spare_columns import SpareColumns, output_rows
 
 __all__ = ["rms_norm", "rms_norm_add", "rms_norm_keep", "RMSNormFunction", "RMSNormAddFunction", "RMSNormKeepFunction"]
 
@@ -61,22 +63,30 @@ _BWD_PROGRAMS_PER_SM = 2  # backward programs per SM: each writes one fp32 row o
 
 
 @triton.jit
-def _load_norm_input(X, RES, S, rows, cols, mask, stride_x, stride_res, stride_s,
+def _load_norm_input(x_ptr,  # x [rows, H], rows stride_x apart; fp32/bf16/fp16
+                     res_ptr,  # residual [rows, H], x's dtype (read when HAS_RES)
+                     s_ptr,  # s = x + residual [rows, H], x's dtype (written when STORE_S)
+                     rows, cols, mask, stride_x, stride_res, stride_s,
                      HAS_RES: tl.constexpr, STORE_S: tl.constexpr):
     """The norm's input tile in fp32: x, or s = round(x + residual) (stored when STORE_S)."""
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        s = (x + res.to(tl.float32)).to(S.dtype.element_ty)
+        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        s = (x + res.to(tl.float32)).to(s_ptr.dtype.element_ty)
         if STORE_S:
-            tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
     return x
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, RES, W, Y, S, RSTD,
+    x_ptr,  # x [n_rows, H], rows stride_x apart; fp32/bf16/fp16
+    res_ptr,  # residual [n_rows, H], x's dtype (HAS_RES only)
+    w_ptr,  # weight [H], contiguous; fp32/bf16/fp16
+    y_ptr,  # out: y [n_rows, H], rows stride_y apart; promote(x, w) (llama) or x's dtype (gemma)
+    s_ptr,  # out: s = x + residual [n_rows, H], x's dtype (HAS_RES only)
+    rstd_ptr,  # out: r [n_rows], fp32
     n_rows, n_cols, eps, offset,
     stride_x, stride_res, stride_y, stride_s,
     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr,
@@ -90,51 +100,57 @@ def _rms_norm_fwd_kernel(
     if SINGLE_TILE:
         col_mask = offs < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_norm_input(X, RES, S, rows, offs, mask, stride_x, stride_res, stride_s, HAS_RES, True)
+        x = _load_norm_input(x_ptr, res_ptr, s_ptr, rows, offs, mask, stride_x, stride_res, stride_s, HAS_RES, True)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
-        w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        w = tl.load(w_ptr + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
         xhat = x * rstd[:, None]
         if LLAMA:
-            xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
         y = xhat * w[None, :]
-        tl.store(Y + rows[:, None] * stride_y + offs[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows[:, None] * stride_y + offs[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         # Wide rows: pass 1 sums squares (and writes s), pass 2 recomputes s and writes y.
         acc = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
         for c0 in range(0, n_cols, BLOCK_H):
             cols = c0 + offs
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            x = _load_norm_input(X, RES, S, rows, cols, mask, stride_x, stride_res, stride_s, HAS_RES, True)
+            x = _load_norm_input(x_ptr, res_ptr, s_ptr, rows, cols, mask, stride_x, stride_res, stride_s,
+                                 HAS_RES, True)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         for c0 in range(0, n_cols, BLOCK_H):
             cols = c0 + offs
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_norm_input(X, RES, S, rows, cols, mask, stride_x, stride_res, stride_s, HAS_RES, False)
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+            x = _load_norm_input(x_ptr, res_ptr, s_ptr, rows, cols, mask, stride_x, stride_res, stride_s,
+                                 HAS_RES, False)
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             xhat = x * rstd[:, None]
             if LLAMA:
-                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+                xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
             y = xhat * w[None, :]
-            tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_load_rows(DY, DS, X, RSTD, rb, n_rows, offs, col_mask, stride_dy, stride_ds, stride_x,
+def _bwd_load_rows(dy_ptr,  # dy [n_rows, H], rows stride_dy apart; fp32/bf16/fp16
+                   ds_ptr,  # ds [n_rows, H], rows stride_ds apart (HAS_DS only)
+                   x_ptr,  # the norm's input x (or s) [n_rows, H], rows stride_x apart
+                   rstd_ptr,  # r [n_rows], fp32
+                   rb, n_rows, offs, col_mask, stride_dy, stride_ds, stride_x,
                    BLOCK_ROWS: tl.constexpr, HAS_DS: tl.constexpr):
     """Raw (not yet upcast) tiles of row block rb; rows past the end load nothing."""
     rows = rb * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
     mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows[:, None] * stride_dy + offs[None, :], mask=mask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs[None, :], mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
     if HAS_DS:
-        ds = tl.load(DS + rows[:, None] * stride_ds + offs[None, :], mask=mask, other=0.0)
+        ds = tl.load(ds_ptr + rows[:, None] * stride_ds + offs[None, :], mask=mask, other=0.0)
     else:
         ds = x  # placeholder, unused
     return x, dy, ds, rstd
@@ -142,13 +158,19 @@ def _bwd_load_rows(DY, DS, X, RSTD, rb, n_rows, offs, col_mask, stride_dy, strid
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, DS, X, W, RSTD, DX, DW_PART,
+    dy_ptr,  # dy [n_rows, H], rows stride_dy apart; fp32/bf16/fp16
+    ds_ptr,  # ds, the gradient added to dx [n_rows, H], rows stride_ds apart (HAS_DS only)
+    x_ptr,  # the norm's input x (or s) [n_rows, H], rows stride_x apart
+    w_ptr,  # weight [H], contiguous
+    rstd_ptr,  # r [n_rows], fp32 (from the forward)
+    dx_ptr,  # out: dx [n_rows, H], rows stride_dx apart; x's dtype (COMPUTE_DX only)
+    dw_part_ptr,  # out: partial dw [programs, H], contiguous, fp32 (COMPUTE_DW only)
     n_rows, n_cols, offset,
     stride_dy, stride_ds, stride_x, stride_dx,
     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
     COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
 ):
-    """Whole rows in registers; program p takes row blocks p, p + P, ... and writes DW_PART[p].
+    """Whole rows in registers; program p takes row blocks p, p + P, ... and writes dw_part[p].
 
     The next block's loads are issued before the current block's math (software pipelining by
     hand), so each program keeps memory requests in flight while it reduces and stores.
@@ -157,17 +179,17 @@ def _rms_norm_bwd_kernel(
     n_progs = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_H)
     col_mask = offs < n_cols
-    w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
+    w = tl.load(w_ptr + offs, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK_ROWS, BLOCK_H], dtype=tl.float32)
-    x_n, dy_n, ds_n, rstd_n = _bwd_load_rows(DY, DS, X, RSTD, pid, n_rows, offs, col_mask,
+    x_n, dy_n, ds_n, rstd_n = _bwd_load_rows(dy_ptr, ds_ptr, x_ptr, rstd_ptr, pid, n_rows, offs, col_mask,
                                              stride_dy, stride_ds, stride_x, BLOCK_ROWS, HAS_DS)
     for rb in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), n_progs):
         x = x_n.to(tl.float32)
         dy = dy_n.to(tl.float32)
         ds = ds_n
         rstd = rstd_n
-        x_n, dy_n, ds_n, rstd_n = _bwd_load_rows(DY, DS, X, RSTD, rb + n_progs, n_rows, offs, col_mask,
-                                                 stride_dy, stride_ds, stride_x, BLOCK_ROWS, HAS_DS)
+        x_n, dy_n, ds_n, rstd_n = _bwd_load_rows(dy_ptr, ds_ptr, x_ptr, rstd_ptr, rb + n_progs, n_rows, offs,
+                                                 col_mask, stride_dy, stride_ds, stride_x, BLOCK_ROWS, HAS_DS)
         rows = rb * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         rows = rows.to(tl.int64)
@@ -179,64 +201,13 @@ def _rms_norm_bwd_kernel(
             dx = (g - xhat * c[:, None]) * rstd[:, None]
             if HAS_DS:
                 dx += ds.to(tl.float32)
-            tl.store(DX + rows[:, None] * stride_dx + offs[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + rows[:, None] * stride_dx + offs[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if LLAMA:
-                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+                xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
             dw += dy * xhat
     if COMPUTE_DW:
-        tl.store(DW_PART + pid * n_cols + offs, tl.sum(dw, axis=0), mask=col_mask)
-
-
-@triton.jit
-def _rms_norm_bwd_rowdot_kernel(DY, X, W, RSTD, C, n_cols, offset, stride_dy, stride_x,
-                                BLOCK_H: tl.constexpr):
-    """Wide rows, step 1: C[row] = mean(g · x̂) over the row, chunk by chunk."""
-    row = tl.program_id(0).to(tl.int64)
-    rstd = tl.load(RSTD + row)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK_H):
-        cols = c0 + tl.arange(0, BLOCK_H)
-        mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-        acc += dy * w * x * rstd
-    tl.store(C + row, tl.sum(acc, axis=0) / n_cols)
-
-
-@triton.jit
-def _rms_norm_bwd_chunked_kernel(
-    DY, DS, X, W, RSTD, C, DX, DW_PART,
-    n_rows, n_cols, rows_per_prog, offset,
-    stride_dy, stride_ds, stride_x, stride_dx,
-    BLOCK_H: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
-    COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
-):
-    """Wide rows, step 2: program (p, j) does column chunk j of rows [p·R, (p+1)·R)."""
-    pid = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_prog
-    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
-    for row in range(row_start, row_end):  # int64 bounds: int64 row index
-        rstd = tl.load(RSTD + row)
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        xhat = x * rstd
-        if COMPUTE_DX:
-            dx = (dy * w - xhat * tl.load(C + row)) * rstd
-            if HAS_DS:
-                dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        if COMPUTE_DW:
-            if LLAMA:
-                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
-            dw += dy * xhat
-    if COMPUTE_DW:
-        tl.store(DW_PART + pid * n_cols + cols, dw, mask=mask)
+        tl.store(dw_part_ptr + pid * n_cols + offs, tl.sum(dw, axis=0), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +277,7 @@ def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
     ds2 = _as_rows(ds, n_cols) if ds is not None else None
     n_rows = x2.shape[0]
     # Uninitialised is safe: dx gets every element; each program stores its whole row of the
-    # dw partials (every program of the grid has rows, _bwd_programs), C is read only where written.
+    # dw partials (every program of the grid has rows, _bwd_programs).
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if need_dx else None
     llama = casting == "llama"
     block_h = triton.next_power_of_2(n_cols)
@@ -331,19 +302,7 @@ def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
         grid = triton.cdiv(n_rows, rows_per_prog) if grid else 0
         part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device) if need_dw else None
         if n_rows:
-            c = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-            if need_dx:
-                _rms_norm_bwd_rowdot_kernel[(n_rows,)](
-                    dy2, x2, weight, rstd, c, n_cols, offset, dy2.stride(0), x2.stride(0),
-                    BLOCK_H=block_h, num_warps=8,
-                )
-            _rms_norm_bwd_chunked_kernel[(grid, triton.cdiv(n_cols, block_h))](
-                dy2, ds2, x2, weight, rstd, c, dx, part,
-                n_rows, n_cols, rows_per_prog, offset,
-                dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0), n_cols,
-                BLOCK_H=block_h, HAS_DS=ds is not None, LLAMA=llama,
-                COMPUTE_DX=need_dx, COMPUTE_DW=need_dw, num_warps=8,
-            )
+            bwd_wide_rows(dy2, ds2, x2, weight, rstd, dx, part, offset, llama, block_h, rows_per_prog)
     dw = part.sum(dim=0).to(weight.dtype) if need_dw else None
     return (dx.view(x.shape) if need_dx else None), dw
 

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttune.kernels import reference
-from fasttune.kernels._backend import check_float, check_same_device, use_triton
+from . import reference
+from ._backend import check_float, check_same_device, use_triton
 
 __all__ = ["apply_rope", "RopeFunction"]
 
@@ -56,13 +56,15 @@ _TILE_BWD = 2048
 
 
 @triton.jit
-def _rope_heads(X, XO, tok_x, tok_o, t_mask, n_heads, half, rot_dim, head_dim, c1, c2, n1, n2,
+def _rope_heads(x_ptr,  # one of q/k [B, H, S, Dh], any strides; fp32/bf16/fp16
+                xo_ptr,  # out: its rotation, same shape and dtype (x_ptr itself when INPLACE)
+                tok_x, tok_o, t_mask, n_heads, half, rot_dim, head_dim, c1, c2, n1, n2,
                 s_xh, s_xd, s_oh, s_od,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                 BACKWARD: tl.constexpr, INPLACE: tl.constexpr):
-    """Rotate every head of BLOCK_T tokens of one tensor, X → XO (the same memory when in place).
+    """Rotate every head of BLOCK_T tokens of one tensor, x → xo (the same memory when in place).
 
-    tok_x/tok_o: [BLOCK_T, 1, 1] int64 element offsets of each token in X/XO; c*, n*: [BLOCK_T, 1,
+    tok_x/tok_o: [BLOCK_T, 1, 1] int64 element offsets of each token in x/xo; c*, n*: [BLOCK_T, 1,
     BLOCK_D] fp32 halves of cos/sin.
     """
     d = tl.arange(0, BLOCK_D)[None, None, :]
@@ -70,28 +72,34 @@ def _rope_heads(X, XO, tok_x, tok_o, t_mask, n_heads, half, rot_dim, head_dim, c
         h = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
         row_mask = t_mask & (h < n_heads)
         mask = row_mask & (d < half)
-        x_ptr = X + tok_x + h.to(tl.int64) * s_xh + d * s_xd
-        o_ptr = XO + tok_o + h.to(tl.int64) * s_oh + d * s_od
-        x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + half * s_xd, mask=mask, other=0.0).to(tl.float32)
+        x_at = x_ptr + tok_x + h.to(tl.int64) * s_xh + d * s_xd
+        o_at = xo_ptr + tok_o + h.to(tl.int64) * s_oh + d * s_od
+        x1 = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + half * s_xd, mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:
             y1 = x1 * c1 + x2 * n2
             y2 = x2 * c2 - x1 * n1
         else:
             y1 = x1 * c1 - x2 * n1
             y2 = x2 * c2 + x1 * n2
-        tl.store(o_ptr, y1.to(XO.dtype.element_ty), mask=mask)
-        tl.store(o_ptr + half * s_od, y2.to(XO.dtype.element_ty), mask=mask)
+        tl.store(o_at, y1.to(xo_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_at + half * s_od, y2.to(xo_ptr.dtype.element_ty), mask=mask)
         if not INPLACE:  # copy the pass-through dims [Dr, Dh)
             p = rot_dim + tl.arange(0, BLOCK_P)[None, None, :]
             p_mask = row_mask & (p < head_dim)
-            xp = tl.load(X + tok_x + h.to(tl.int64) * s_xh + p * s_xd, mask=p_mask)
-            tl.store(XO + tok_o + h.to(tl.int64) * s_oh + p * s_od, xp.to(XO.dtype.element_ty), mask=p_mask)
+            xp = tl.load(x_ptr + tok_x + h.to(tl.int64) * s_xh + p * s_xd, mask=p_mask)
+            tl.store(xo_ptr + tok_o + h.to(tl.int64) * s_oh + p * s_od, xp.to(xo_ptr.dtype.element_ty), mask=p_mask)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, K, QO, KO, COS, SIN, POS,
+    q_ptr,  # q [B, Hq, S, Dh], strides s_q*; fp32/bf16/fp16 (dq in backward)
+    k_ptr,  # k [B, Hk, S, Dh], strides s_k*; fp32/bf16/fp16 (dk in backward)
+    qo_ptr,  # out: rotated q [B, Hq, S, Dh], strides s_qo*; q's dtype (q_ptr itself when INPLACE)
+    ko_ptr,  # out: rotated k [B, Hk, S, Dh], strides s_ko*; k's dtype (k_ptr itself when INPLACE)
+    cos_ptr,  # cos [B or 1, S, Dr] (strides s_cb, s_cs, s_cd), or a table [P, Dr] when HAS_POS; fp32/bf16/fp16
+    sin_ptr,  # sin, cos's shape and strides
+    pos_ptr,  # position_ids [B, S], int32/int64, strides s_pb, s_ps (HAS_POS only)
     n_tokens, seq_len, n_q_heads, n_k_heads, half, head_dim,
     s_qb, s_qh, s_qs, s_qd, s_qob, s_qoh, s_qos, s_qod,
     s_kb, s_kh, s_ks, s_kd, s_kob, s_koh, s_kos, s_kod,
@@ -105,23 +113,23 @@ def _rope_kernel(
     b = tok // seq_len
     s = tok % seq_len
     if HAS_POS:  # tables are [P, Dr]
-        row = tl.load(POS + b * s_pb + s * s_ps, mask=t_mask, other=0).to(tl.int64) * s_cs
+        row = tl.load(pos_ptr + b * s_pb + s * s_ps, mask=t_mask, other=0).to(tl.int64) * s_cs
     else:
         row = b * s_cb + s * s_cs
     d = tl.arange(0, BLOCK_D)
     cmask = t_mask[:, None] & (d < half)[None, :]
-    c_ptr = row[:, None] + d[None, :] * s_cd
-    c1 = tl.load(COS + c_ptr, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
-    c2 = tl.load(COS + c_ptr + half * s_cd, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
-    n1 = tl.load(SIN + c_ptr, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
-    n2 = tl.load(SIN + c_ptr + half * s_cd, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
+    c_offs = row[:, None] + d[None, :] * s_cd
+    c1 = tl.load(cos_ptr + c_offs, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(cos_ptr + c_offs + half * s_cd, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
+    n1 = tl.load(sin_ptr + c_offs, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
+    n2 = tl.load(sin_ptr + c_offs + half * s_cd, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
     t_mask = t_mask[:, None, None]
     b = b[:, None, None]
     s = s[:, None, None]
-    _rope_heads(Q, QO, b * s_qb + s * s_qs, b * s_qob + s * s_qos, t_mask, n_q_heads, half, 2 * half,
+    _rope_heads(q_ptr, qo_ptr, b * s_qb + s * s_qs, b * s_qob + s * s_qos, t_mask, n_q_heads, half, 2 * half,
                 head_dim, c1, c2, n1, n2, s_qh, s_qd, s_qoh, s_qod,
                 BLOCK_HQ, BLOCK_D, BLOCK_P, BACKWARD, INPLACE)
-    _rope_heads(K, KO, b * s_kb + s * s_ks, b * s_kob + s * s_kos, t_mask, n_k_heads, half, 2 * half,
+    _rope_heads(k_ptr, ko_ptr, b * s_kb + s * s_ks, b * s_kob + s * s_kos, t_mask, n_k_heads, half, 2 * half,
                 head_dim, c1, c2, n1, n2, s_kh, s_kd, s_koh, s_kod,
                 BLOCK_HK, BLOCK_D, BLOCK_P, BACKWARD, INPLACE)
 

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fasttune.kernels import reference
-from fasttune.kernels._backend import check_float, check_same_device, use_triton
+from . import reference
+from ._backend import check_float, check_same_device, use_triton
 
 __all__ = ["swiglu", "geglu", "GatedActFunction"]
 
@@ -68,36 +68,48 @@ def _act_and_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, n_cols, n_col_blocks, stride_g, stride_u, stride_y,
-                          BLOCK: tl.constexpr, ACT: tl.constexpr):
+def _swiglu_fwd_kernel(
+    g_ptr,  # gate [rows, I], rows stride_g apart; fp32/bf16/fp16
+    u_ptr,  # up [rows, I], rows stride_u apart; fp32/bf16/fp16
+    y_ptr,  # out: y [rows, I], rows stride_y apart; gate's dtype
+    n_cols, n_col_blocks, stride_g, stride_u, stride_y,
+    BLOCK: tl.constexpr, ACT: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
-    tl.store(Y + row * stride_y + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + cols, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, n_cols, n_col_blocks,
-                          stride_dy, stride_g, stride_u, stride_dg, stride_du,
-                          BLOCK: tl.constexpr, ACT: tl.constexpr,
-                          COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr):
-    """DG/DU may be G/U themselves: every element is loaded before its own store."""
+def _swiglu_bwd_kernel(
+    dy_ptr,  # dy [rows, I], rows stride_dy apart; fp32/bf16/fp16
+    g_ptr,  # gate [rows, I], rows stride_g apart; fp32/bf16/fp16
+    u_ptr,  # up [rows, I], rows stride_u apart; fp32/bf16/fp16
+    dg_ptr,  # out: dgate [rows, I], rows stride_dg apart; gate's dtype (may be g_ptr; COMPUTE_DG only)
+    du_ptr,  # out: dup [rows, I], rows stride_du apart; up's dtype (may be u_ptr; COMPUTE_DU only)
+    n_cols, n_col_blocks,
+    stride_dy, stride_g, stride_u, stride_dg, stride_du,
+    BLOCK: tl.constexpr, ACT: tl.constexpr,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr,
+):
+    """dg/du may be g/u themselves: every element is loaded before its own store."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     a, da = _act_and_grad(g, ACT)
     if COMPUTE_DG:
-        tl.store(DG + row * stride_dg + cols, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + row * stride_dg + cols, (dy * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
     if COMPUTE_DU:
-        tl.store(DU + row * stride_du + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + row * stride_du + cols, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------

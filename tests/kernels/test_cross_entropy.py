@@ -18,7 +18,7 @@ from fasttune.kernels import _lce_common as common
 from fasttune.kernels import reference
 from fasttune.kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 
-from helpers.compare import check_fp32, check_lowp, rel_err
+from helpers.kernel_checks import check_in_norm
 from helpers.compare import make_head_inputs as make_inputs
 
 # The module, by path: the package attribute `fasttune.kernels.cross_entropy` names the function too.
@@ -94,23 +94,23 @@ def compare(device, dtype, N, D, V, bias=False, ignore_frac=0.2, frozen_w=False,
         for name, (got, want), same in zip(names, pairs, [loss32] + grads32):
             if want is not None:
                 assert got.dtype == (torch.float32 if name == "loss" else dtype), name
-                check_fp32(got, want, name + " vs float64")
-                check_fp32(got, same, name + " vs fp32 reference")
+                check_in_norm(got, want, what=name + " vs float64")
+                check_in_norm(got, same, what=name + " vs fp32 reference")
     else:
         lossl, statsl, gradsl = run(lowp_torch_fn, h, W, b, y, up, frozen_w, **kw)
         for name, (got, want), same in zip(names, pairs, [lossl] + gradsl):
             if want is not None:
                 assert got.dtype == (torch.float32 if name == "loss" else dtype), name
-                check_lowp(got, same, want, dtype, name)
+                check_in_norm(got, want, same, what=name, lowp=dtype)
     if stats is not None:
         valid = y != IGN
         assert stats["entropy"].dtype == torch.float32 and stats["correct"].dtype == torch.bool
         assert (stats["entropy"][~valid] == 0).all() and not stats["correct"][~valid].any()
         if dtype == torch.float32:
-            check_fp32(stats["entropy"], stats64["entropy"], "entropy")
+            check_in_norm(stats["entropy"], stats64["entropy"], what="entropy")
             assert torch.equal(stats["correct"], stats64["correct"])
         else:
-            check_lowp(stats["entropy"], statsl["entropy"], stats64["entropy"], dtype, "entropy")
+            check_in_norm(stats["entropy"], stats64["entropy"], statsl["entropy"], what="entropy", lowp=dtype)
             # argmax of rounded logits may differ only where the top two are within rounding error.
             z = torch.nn.functional.linear(d64(h), d64(W), d64(b)).float()
             top2 = z.topk(2, dim=-1).values
@@ -165,7 +165,7 @@ def test_fp16_tiny_probabilities_survive(device):
     _, _, grads64 = run(ref_fn, h.double(), W.double(), None, y, up.double(), **kw)
     _, _, gradsl = run(lowp_torch_fn, h, W, None, y, up, **kw)
     for name, got, want, same in zip(["grad_hidden", "grad_weight"], grads, grads64, gradsl):
-        check_lowp(got, same, want, torch.float16, name)
+        check_in_norm(got, want, same, what=name, lowp=torch.float16)
 
 
 def test_large_vocab(device):
@@ -179,8 +179,8 @@ def test_hidden_frozen_weight_trainable(device):
     fused_linear_cross_entropy(h, wl, y, bl, reduction="sum").backward()
     w64, b64 = W.double().requires_grad_(), b.double().requires_grad_()
     reference.fused_linear_cross_entropy(h.double(), w64, y, b64, reduction="sum").backward()
-    check_fp32(wl.grad, w64.grad, "grad_weight")
-    check_fp32(bl.grad, b64.grad, "grad_bias")
+    check_in_norm(wl.grad, w64.grad, what="grad_weight")
+    check_in_norm(bl.grad, b64.grad, what="grad_bias")
 
 
 def test_non_contiguous_inputs(device):
@@ -190,8 +190,8 @@ def test_non_contiguous_inputs(device):
     assert not ht.is_contiguous() and not wt.is_contiguous()
     fused_linear_cross_entropy(ht, wt, y, label_smoothing=0.1).backward()
     want = run(fused_linear_cross_entropy, h, W, None, y, torch.tensor(1.0), label_smoothing=0.1)
-    check_fp32(ht.grad, want[2][0], "grad_hidden", tol=1e-6)
-    check_fp32(wt.grad, want[2][1], "grad_weight", tol=1e-6)
+    check_in_norm(ht.grad, want[2][0], what="grad_hidden", rtol=1e-6)
+    check_in_norm(wt.grad, want[2][1], what="grad_weight", rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -218,7 +218,7 @@ def test_tiny_workspace_runs_several_chunks(device, monkeypatch):
     many = run(fused_linear_cross_entropy, h, W, None, y, torch.tensor(1.0), workspace_mib=0.03)
     assert len(launches) >= 4 and max(launches[1:]) <= 0.03 * 2 ** 20 // (389 * 4)  # rows within budget
     for a, b in zip([one[0]] + one[2][:2], [many[0]] + many[2][:2]):
-        check_fp32(b, a, "chunked vs single chunk", tol=1e-6)
+        check_in_norm(b, a, what="chunked vs single chunk", rtol=1e-6)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(reduction="sum"), dict(num_items_in_batch=0),
@@ -270,10 +270,10 @@ def test_reference_path_dispatch(device, monkeypatch):
     got = run(fused_linear_cross_entropy, h, W, b, y, torch.tensor(1.0), **kw)
     for a, e in zip([got[0]] + got[2], [want[0]] + want[2]):
         assert a.shape == e.shape and a.dtype == e.dtype
-        check_fp32(a, e, "reference path")
+        check_in_norm(a, e, what="reference path")
     plain = cross_entropy(logits, y, z_loss=1e-3)
     assert plain.shape == want_plain.shape
-    check_fp32(plain, want_plain, "plain reference path")
+    check_in_norm(plain, want_plain, what="plain reference path")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,16 +305,16 @@ def test_plain_cross_entropy(device, dtype, case):
     eye = torch.eye(V, dtype=torch.float64, device=device)
     want, _, (gx64, _, _) = run(ref_fn, logits.double(), eye, None, y, up.double(), frozen_w=True, **kw)
     if dtype == torch.float32:
-        check_fp32(got, want, "loss")
-        check_fp32(gx, gx64, "grad_logits")
+        check_in_norm(got, want, what="loss")
+        check_in_norm(gx, gx64, what="grad_logits")
         if case in ("mean", "none"):  # torch's own op agrees too
             ref = torch.nn.functional.cross_entropy(logits, y, reduction=kw.get("reduction", "mean"))
-            check_fp32(got, ref, "loss vs F.cross_entropy")
+            check_in_norm(got, ref, what="loss vs F.cross_entropy")
     else:
         same, _, (gxs, _, _) = run(lambda x, _w, t, _b, **k: loss_from_logits(x, t, **k), logits, logits, None,
                                    y, up, frozen_w=True, **kw)
-        check_lowp(got, same, want, dtype, "loss")
-        check_lowp(gx, gxs, gx64, dtype, "grad_logits")
+        check_in_norm(got, want, same, what="loss", lowp=dtype)
+        check_in_norm(gx, gx64, gxs, what="grad_logits", lowp=dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,8 +385,8 @@ def test_gpu_llama3_head_bf16(softcap, frozen):
         if want is None:
             assert got is None
             continue
-        assert rel_err(got, want) <= 1e-2, f"{name}: {rel_err(got, want):.3g}"  # sanity; the bench reports it
-        check_lowp(got, same, want, torch.bfloat16, name)
+        check_in_norm(got, want, what=name + " vs fp32 reference", rtol=1e-2)  # sanity; the bench reports it
+        check_in_norm(got, want, same, what=name, lowp=torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -397,4 +397,4 @@ def test_gpu_workspace_past_int32_offsets():
     big = run(fused_linear_cross_entropy, h, W, None, y, torch.tensor(1.0, device="cuda"), workspace_mib=5000)
     small = run(fused_linear_cross_entropy, h, W, None, y, torch.tensor(1.0, device="cuda"), workspace_mib=256)
     for a, b in zip([big[0]] + big[2][:2], [small[0]] + small[2][:2]):
-        assert rel_err(a, b) <= 1e-3
+        check_in_norm(a, b, what="one chunk vs several", rtol=1e-3)

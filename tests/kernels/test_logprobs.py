@@ -14,7 +14,7 @@ from fasttune.kernels import logprobs as lp_mod
 from fasttune.kernels import reference
 from fasttune.kernels.logprobs import fused_linear_logprobs
 
-from helpers.compare import check_fp32, check_lowp, rel_err
+from helpers.kernel_checks import check_in_norm
 from helpers.compare import make_head_inputs as make_inputs
 
 
@@ -71,10 +71,10 @@ def compare(device, dtype, N=37, D=40, V=389, bias=False, frozen_w=False, entrop
             continue
         assert a.dtype == (torch.float32 if name in ("logp", "entropy") else dtype), name
         if dtype == torch.float32:
-            check_fp32(a, w, name + " vs float64")
-            check_fp32(a, s, name + " vs fp32 reference")
+            check_in_norm(a, w, what=name + " vs float64")
+            check_in_norm(a, s, what=name + " vs fp32 reference")
         else:
-            check_lowp(a, s, w, dtype, name)
+            check_in_norm(a, w, s, what=name, lowp=dtype)
 
 
 CASES = {
@@ -144,7 +144,7 @@ def test_reference_path_dispatch(device, monkeypatch):
     monkeypatch.setattr(lp_mod, "use_triton", lambda *t: False)
     got = run(fused_linear_logprobs, h, W, b, y, ups, **kw)
     for a, e in zip(got[0] + got[1], want[0] + want[1]):
-        check_fp32(a, e, "reference path")
+        check_in_norm(a, e, what="reference path")
 
 
 BAD = {
@@ -190,5 +190,5 @@ def test_gpu_real_size_bf16(entropy):
     want, grads32 = run(ref_fn, h.float(), W.float(), None, y, ups, **kw)
     same, gradsl = run(lowp_torch_fn, h, W, None, y, ups, **kw)
     for a, w, s in zip(got + grads[:2], want + grads32[:2], same + gradsl[:2]):
-        assert rel_err(a, w) <= 1e-2  # sanity; the 2x-torch rule below is the check
-        check_lowp(a, s, w, torch.bfloat16, "gpu")
+        check_in_norm(a, w, what="gpu vs fp32 reference", rtol=1e-2)  # sanity; the 2x-torch rule below is the check
+        check_in_norm(a, w, s, what="gpu", lowp=torch.bfloat16)

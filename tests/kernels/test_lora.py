@@ -19,6 +19,8 @@ from fasttune.kernels import reference
 from fasttune.kernels.lora import BaseWeight, lora_linear, lora_o, lora_qkv
 from fasttune.kernels.nf4 import dequantize_nf4
 
+from helpers.kernel_checks import check_in_norm
+
 LOW = (torch.bfloat16, torch.float16)
 
 
@@ -95,13 +97,7 @@ def ref_qkv(x, specs):
 
 def assert_close(got, ref64, same=None, name=""):
     """fp32: rel. error ≤ 1e-5; low precision: ≤ 2·(error of the same-dtype reference) + 1e-4·|ref|."""
-    err = (got.double() - ref64).norm().item()
-    scale = ref64.norm().item()
-    if same is None:
-        assert err <= 1e-5 * scale, f"{name}: rel err {err / scale:.2e}"
-    else:
-        bound = 2 * (same.double() - ref64).norm().item() + 1e-4 * scale
-        assert err <= bound, f"{name}: err {err:.3e} > bound {bound:.3e} (scale {scale:.3e})"
+    check_in_norm(got, ref64, same, what=name, rtol=1e-5, atol=1e-4)
 
 
 def check_against_reference(fn_kernel, fn_ref, x, specs, dtype):

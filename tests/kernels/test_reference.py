@@ -27,6 +27,25 @@ def test_chunked_loss_equals_full_logits_cross_entropy(reduction):
     torch.testing.assert_close(gw, fw)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_on_logits_equals_torch(reduction):
+    """reference.cross_entropy (the CPU path of kernels.cross_entropy.cross_entropy) is
+    F.cross_entropy in float32, plus the soft-cap, z-loss and num_items_in_batch it adds."""
+    x = _rand(23, 50, dtype=torch.float32).requires_grad_()
+    y = torch.randint(0, 50, (23,), generator=torch.Generator().manual_seed(3))
+    y[::4] = -100
+    loss = ref.cross_entropy(x, y, reduction=reduction, label_smoothing=0.1)
+    full = F.cross_entropy(x, y, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(loss, full)
+    torch.testing.assert_close(torch.autograd.grad(loss.sum(), x)[0], torch.autograd.grad(full.sum(), x)[0])
+    z = 5.0 * torch.tanh(x / 5.0)
+    lse = z.logsumexp(-1)
+    per_row = F.cross_entropy(z, y, reduction="none") + torch.where(y != -100, 1e-3 * lse ** 2, 0.0)
+    capped = ref.cross_entropy(x, y, reduction=reduction, softcap=5.0, z_loss=1e-3, num_items_in_batch=7)
+    torch.testing.assert_close(capped, per_row if reduction == "none" else per_row.sum() / 7)
+    assert ref.cross_entropy(x, torch.full_like(y, -100), num_items_in_batch=0).item() == 0.0  # 0 reads as 1
+
+
 def test_logprobs_equal_log_softmax_with_temperature():
     h, w = _rand(9, 6), _rand(40, 6, seed=1)
     y = torch.randint(0, 40, (9,))

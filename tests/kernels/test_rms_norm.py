@@ -12,6 +12,8 @@ import fasttune.kernels.rms_norm as rms_mod
 from fasttune.kernels import reference
 from fasttune.kernels.rms_norm import rms_norm, rms_norm_add, rms_norm_keep
 
+from helpers.kernel_checks import check_elementwise
+
 EPS = 1e-6
 
 
@@ -19,21 +21,7 @@ def check(out, ref64, same, lowp, name, ulps=1, mag=None):
     """fp32 inputs (lowp None): within 1e-5 relative. Low precision: |out − ref64| ≤
     2·|same − ref64| + ulps·eps(lowp)·mag, mag = |ref64| by default (one ulp per rounding the
     function itself does; the interpreter truncates, so each can cost a full ulp)."""
-    out64, ref64 = out.detach().double(), ref64.detach().double()
-    assert out.dtype == same.dtype, f"{name}: dtype {out.dtype} != {same.dtype}"
-    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
-    assert torch.isfinite(out64).all(), name
-    scale = ref64.abs().max().item()
-    err = (out64 - ref64).abs()
-    if lowp is None:
-        bound = 1e-5 * ref64.abs() + 1e-6 * scale
-    else:
-        eps = torch.finfo(lowp).eps
-        mag = ref64.abs() if mag is None else mag
-        bound = 2 * (same.detach().double() - ref64).abs() + ulps * eps * mag + 1e-3 * eps * scale
-    bad = err > bound
-    worst = err.max().item()
-    assert not bad.any(), f"{name}: {int(bad.sum())}/{bad.numel()} off, worst {worst:.3g} (scale {scale:.3g})"
+    check_elementwise(out, ref64, same, what=name, lowp=lowp, rtol=1e-5, ulps=ulps, mag=mag)
 
 
 def run_norm(fn, x, weight, dy, residual=None, ds=None, **kw):

@@ -33,22 +33,6 @@ def assert_grads_close(model_a, model_b, rtol: float) -> None:
     assert not bad, f"{len(bad)} gradients differ beyond {rtol}: {dict(list(bad.items())[:5])}"
 
 
-def check_fp32(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-5) -> None:
-    """Same shape and relative (Frobenius) error ≤ tol."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = rel_err(got, want)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
-
-
-def check_lowp(got: torch.Tensor, same: torch.Tensor, ref64: torch.Tensor, dtype, what: str) -> None:
-    """The 2×-torch rule in norm: ‖kernel − ref64‖ ≤ 2·‖torch_same_dtype − ref64‖ + eps·‖ref64‖."""
-    assert got.shape == ref64.shape == same.shape, f"{what}: shapes differ"
-    e_k = (got.double() - ref64.double()).norm().item()
-    e_t = (same.double() - ref64.double()).norm().item()
-    bound = 2 * e_t + torch.finfo(dtype).eps * ref64.double().norm().item()
-    assert e_k <= bound, f"{what}: ‖kernel − ref64‖ {e_k:.3g} > bound {bound:.3g} (torch {e_t:.3g})"
-
-
 def make_head_inputs(device, N: int, D: int, V: int, dtype=torch.float32, bias: bool = False,
                      ignore_frac: float = 0.2, seed: int = 0):
     """(hidden [N, D], weight [V, D], bias [V] or None, labels [N]) for the loss-head kernels;

@@ -8,7 +8,7 @@ import torch
 
 from fasttune.kernels.lora import BaseWeight
 from fasttune.kernels.lora_wide import WideWeight
-from helpers.compare import check_fp32, check_lowp
+from helpers.kernel_checks import check_in_norm
 
 
 def widened(w: torch.Tensor, extra: int, bias=None) -> BaseWeight:
@@ -45,11 +45,8 @@ def ref_outputs(x, parts, dtype):
 
 
 def assert_close(got, ref64, same, name):
-    """fp32 (``same`` None): relative error ≤ 1e-5; else the 2×-torch rule in norm (helpers.compare)."""
-    if same is None:
-        check_fp32(got.double(), ref64, name)
-    else:
-        check_lowp(got, same, ref64, got.dtype, name)
+    """fp32 (``same`` None): relative error ≤ 1e-5; else the 2×-torch rule in norm (helpers.kernel_checks)."""
+    check_in_norm(got, ref64, same, what=name)
 
 
 def check(fn, x, parts, dtype):
