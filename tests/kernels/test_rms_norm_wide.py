@@ -13,7 +13,7 @@ EPS = 1e-6
 
 @pytest.mark.parametrize("casting", ["llama", "gemma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_rows_take_the_chunked_backward(casting, dtype, monkeypatch):
+def test_wide_rows_take_the_chunked_backward(casting, dtype, device, monkeypatch):
     # Shrink the limits so H=200 runs the wide path (chunks of 64 columns, a masked tail).
     monkeypatch.setattr(rms_mod, "_MAX_FWD_BLOCK", 64)
     monkeypatch.setattr(rms_mod, "_MAX_BWD_BLOCK", 64)
@@ -22,9 +22,9 @@ def test_wide_rows_take_the_chunked_backward(casting, dtype, monkeypatch):
     real = rms_mod.bwd_wide_rows
     monkeypatch.setattr(rms_mod, "bwd_wide_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 200, generator=g).to(dtype)
-    w = (torch.randn(200, generator=g) * 0.1 + 1).float()
-    dy = torch.randn(9, 200, generator=g).to(dtype)
+    x = torch.randn(9, 200, generator=g).to(device, dtype)
+    w = (torch.randn(200, generator=g) * 0.1 + 1).to(device)
+    dy = torch.randn(9, 200, generator=g).to(device, dtype)
     outs = []
     for fn, xd, wd in ((rms_norm, x, w), (reference.rms_norm, x, w), (reference.rms_norm, x.double(), w.double())):
         xl, wl = xd.clone().requires_grad_(), wd.clone().requires_grad_()
