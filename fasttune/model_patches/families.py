@@ -40,7 +40,8 @@ class FamilySpec:
         norm_offset: 1.0 where the norm scales by (1 + weight) (Gemma).
         norm_casting: "llama" (normalise in fp32, cast, multiply) or "gemma" (all fp32, cast last).
         qkv_layout: "separate" (q_proj/k_proj/v_proj) or "fused" (one qkv_proj, Phi-3).
-        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3) or "full" (over the whole
+        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3), "head_optional" ("head" where
+            the module has q_norm/k_norm, GLM-4-MoE's config.use_qk_norm) or "full" (over the whole
             projection before the head split, OLMo2).
         attention_kwargs: extra keyword arguments the stock attention passes to the attention
             function, as (name, source) with source "module:<attr>" or "config:<attr>".
@@ -157,6 +158,10 @@ OLMOE = _row(LLAMA, "olmoe", "Olmoe", qk_norm="full", attention_kwargs=(("slidin
              mlp_class=None, moe_block_class="OlmoeSparseMoeBlock", experts_class="OlmoeExperts", gguf_arch="olmoe")
 GRANITEMOE = _row(GRANITE, "granitemoe", "GraniteMoe", mlp_class=None, moe_block_class="GraniteMoeMoE",
                   experts_class="GraniteMoeExperts", gguf_arch="granitemoe")
+# GLM-4-MoE: the first config.first_k_dense_replace layers dense, then MoE blocks with a shared
+# expert (a dense Glm4MoeMLP, patched as one); partial rotary (config.partial_rotary_factor).
+GLM4_MOE = _row(LLAMA, "glm4_moe", "Glm4Moe", qk_norm="head_optional", moe_block_class="Glm4MoeMoE",
+                experts_class="Glm4MoeExperts", gguf_arch="glm4moe")
 # gpt-oss: attention sinks (passed on as s_aux), half-width rotary tables, norms that multiply in
 # fp32 before the cast, and a block that returns (output, router scores): not a pre-norm layer.
 GPT_OSS = _row(LLAMA, "gpt_oss", "GptOss", mlp_class=None, norm_casting="gemma", rope_half_cos=True,
@@ -167,7 +172,7 @@ GPT_OSS = _row(LLAMA, "gpt_oss", "GptOss", mlp_class=None, norm_casting="gemma",
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
-                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GPT_OSS)
+                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS)
 }
 
 

@@ -37,9 +37,10 @@ from ..kernels.moe_reference import moe_glu as reference_glu
 from .families import ACTIVATIONS, FamilySpec
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .mlp import config_activation, probe_activation
-from .report import PatchReport
+from .report import FUSED, PatchReport
 
 OP = "moe"
+OP_LORA = "lora_moe"  # a call that ran with LoRA adapters fused into the grouped products
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EXPERTS_ATTR = "experts"  # the block's experts child, in every MoE family of the table
 _ARG_NAMES = (("hidden_states",), ("top_k_index", "router_indices"), ("top_k_weights", "routing_weights"))
@@ -225,6 +226,8 @@ class FastExpertsForward(PatchedForward):
             self.count(specs if isinstance(specs, str) else "inputs outside the kernel's domain (dtype or shape)")
             return self.stock(*args, **kwargs)
         self.count()
+        if any(p.lora_a is not None for p in specs):
+            self.calls[OP_LORA, FUSED] += 1
         return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu)
 
 
@@ -250,7 +253,8 @@ def _arguments(args, kwargs):
 def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
     """Install ``FastExpertsForward`` on the experts child of every MoE block of the family.
 
-    Reported as "moe" per block, or a fallback naming the block and the reason.
+    Reported as "moe" per block (and "lora_moe" where PEFT LoRA wraps the experts), or a fallback
+    naming the block and the reason.
     """
     if not config.moe or spec.moe_block_class is None:
         return
@@ -276,6 +280,8 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
             continue
         swap_forward(outer, FastExpertsForward(outer, stock_forward(outer), experts, glu, spec), report)
         report.add(OP, counted=True)
+        if outer is not experts:  # PEFT LoRA on expert parameters: fused at each call where it qualifies
+            report.add(OP_LORA, counted=True)
 
 
 def experts_forward(module: nn.Module) -> FastExpertsForward | None:
