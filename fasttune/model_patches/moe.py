@@ -263,6 +263,9 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
         report.fallback(OP, spec.model_type, f"{spec.moe_block_class} / {spec.experts_class} not found in "
                         f"{spec.modeling_module}")
         return
+    if _loaded_in_4bit(base):
+        report.fallback("moe_nf4", "experts", "bitsandbytes quantises 2-D nn.Linear weights only: the stacked 3-D "
+                        "experts stay dense in the load dtype (they run on the grouped path unquantised)")
     for name, block in base.named_modules():
         if type(block) is not block_cls:
             continue
@@ -282,6 +285,12 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
         report.add(OP, counted=True)
         if outer is not experts:  # PEFT LoRA on expert parameters: fused at each call where it qualifies
             report.add(OP_LORA, counted=True)
+
+
+def _loaded_in_4bit(base: nn.Module) -> bool:
+    quant = getattr(getattr(base, "config", None), "quantization_config", None)
+    as_dict = quant.to_dict() if hasattr(quant, "to_dict") else quant if isinstance(quant, dict) else {}
+    return bool(getattr(base, "is_loaded_in_4bit", False) or as_dict.get("load_in_4bit"))
 
 
 def experts_forward(module: nn.Module) -> FastExpertsForward | None:

@@ -170,3 +170,24 @@ def test_greedy_generation_with_cache_matches_stock(device):
         b = stock.generate(prompt["input_ids"], attention_mask=prompt["attention_mask"], **kw)
     assert torch.equal(a, b)
     assert report.calls["moe", FUSED] == 1  # the prefill; decode steps run the stock experts
+
+
+def test_qlora_experts_stay_dense_and_take_the_grouped_path(device, tmp_path):
+    """bitsandbytes quantises 2-D linears only: attention is NF4 (fused LoRA with NF4 dequant), the
+    stacked experts stay dense — reported as such — and their LoRA is fused into the grouped products."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("mixtral", seed=8, hidden_size=128, head_dim=32).save_pretrained(tmp_path)  # NF4 rows: multiples of 64
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.float32,
+                                                attn_implementation="eager", device_map=device)
+    assert type(base.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        target_parameters=EXPERT_PARAMS, init_lora_weights=False)
+    stock = get_peft_model(base, config)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig())
+    assert [f.op for f in report.fallbacks] == ["moe_nf4"], str(report)
+    assert report.patched["lora_moe"] == 2 and report.patched["lora_qkv"] == 2, str(report)
+    _compare(stock, fast, seed=18, device=device)
+    assert report.calls["lora_moe", FUSED] == 2 and report.calls["lora_qkv", FUSED] == 2
