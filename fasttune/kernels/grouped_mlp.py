@@ -54,8 +54,10 @@ class _Proj:
     def __init__(self, weight, bias, lora_a, lora_b, scaling, transposed, dtype):
         self.weight = weight.to(dtype)
         self.bias = None if bias is None else bias.to(dtype)
-        self.a = None if lora_a is None else lora_a.to(dtype)
-        self.b = None if lora_b is None else lora_b.to(dtype)
+        # Contiguous copies of the (small) adapters: PEFT's B arrives as a strided view [E, out, r]
+        # whose layouts torch's grouped GEMM refuses.
+        self.a = None if lora_a is None else lora_a.to(dtype).contiguous()
+        self.b = None if lora_b is None else lora_b.to(dtype).contiguous()
         self.scaling = float(scaling)
         self.transposed = transposed
 
