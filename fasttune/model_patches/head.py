@@ -2,7 +2,8 @@
 
 With labels in training mode, the patched forward runs the backbone, then computes the loss from
 the last hidden states and the lm_head weight with ``fused_linear_cross_entropy`` (family extras:
-final-logit soft-cap, logit scaling). Without labels, in eval mode, or when the caller asks for
+final-logit soft-cap, logit scaling). Mixture-of-experts models add their routers' auxiliary loss
+as stock does (``moe_aux.py``) and return ``MoeCausalLMOutputWithPast``. Without labels, in eval mode, or when the caller asks for
 logits, it runs the stock forward, so generation and evaluation are unchanged.
 
 It also answers TRL's fused-LM-head protocol (``model(..., labels=..., fused_lm_head=True)``, TRL
