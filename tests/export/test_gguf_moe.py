@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import gguf
-from fasttune.hf_integration.gguf import save_gguf
+from fasttune.export.gguf import save_gguf
 from helpers.tiny_tokenizers import bpe_tokenizer
 
 try:
