@@ -174,8 +174,9 @@ def _tensor_type(quant: str, t: _Tensor):
     import gguf
 
     q = _qtype(quant)
+    # MoE routers (ffn_gate_inp) stay F32, as llama.cpp's own converter keeps them.
     if len(t.shape) <= 1 or t.name.endswith(("_norm.weight", "ffn_gate_inp.weight")) or not t.name.endswith(".weight") \
-            or t.name.startswith(("rope_freqs", "rope_factors")):  # (MoE routers stay F32, as llama.cpp's converter keeps them)
+            or t.name.startswith(("rope_freqs", "rope_factors")):
         return gguf.GGMLQuantizationType.F32
     if quant in ("f32", "f16", "bf16"):
         return q

@@ -176,7 +176,8 @@ def _check(x, top_k_index, top_k_weights, gate_up: ExpertProjection, down: Exper
     check_float("x", x)
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0] or top_k_index.dtype not in (torch.int64, torch.int32):
+    integer = top_k_index.dtype in (torch.int64, torch.int32)
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0] or not integer:
         raise ValueError(f"top_k_index must be integer [T, k] with T = {x.shape[0]}, got {top_k_index.dtype} "
                          f"{tuple(top_k_index.shape)}")
     if top_k_weights.shape != top_k_index.shape:

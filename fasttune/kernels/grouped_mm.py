@@ -48,7 +48,7 @@ def _grouped_mm_kernel(
     y_ptr,  # [S, N] output
     offs_ptr,  # [E] int32 inclusive row end of each group
     tile_ends_ptr,  # [E] int32 inclusive cumsum of each group's row tiles
-    num_groups, K, N,
+    num_groups, size_k, size_n,
     stride_xs, stride_xk, stride_we, stride_wk, stride_wn, stride_ys, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_POW2: tl.constexpr,
     IEEE: tl.constexpr,
@@ -66,13 +66,13 @@ def _grouped_mm_kernel(
     rows = row_lo + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < row_hi
-    col_ok = cols < N
+    col_ok = cols < size_n
     rows64 = rows.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + g.to(tl.int64) * stride_we
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, size_k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < size_k
         a = tl.load(x_ptr + rows64[:, None] * stride_xs + ks[None, :] * stride_xk,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
@@ -91,7 +91,7 @@ def _grouped_wgrad_kernel(
     b_ptr,  # [S, N] rows sorted by group
     out_ptr,  # [E, M, N] output
     offs_ptr,  # [E] int32 inclusive row end of each group
-    M, N,
+    size_m, size_n,
     stride_as, stride_am, stride_bs, stride_bn, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -102,8 +102,8 @@ def _grouped_wgrad_kernel(
     row_hi = tl.load(offs_ptr + g)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = ms < M
-    n_ok = ns < N
+    m_ok = ms < size_m
+    n_ok = ns < size_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(row_lo, row_hi, BLOCK_S):
         rs = r0 + tl.arange(0, BLOCK_S)

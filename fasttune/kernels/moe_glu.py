@@ -49,7 +49,11 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _glu_cols(gu_ptr, rows, cols, mask, n_cols, stride_gu, INTERLEAVED: tl.constexpr):
+def _glu_cols(
+    gu_ptr,  # gate_up [S, 2I], rows stride_gu apart; fp32/bf16/fp16
+    rows, cols, mask, n_cols, stride_gu,
+    INTERLEAVED: tl.constexpr,
+):
     """(gate, up) of a [ROWS, BLOCK] tile, upcast to fp32."""
     at = gu_ptr + rows[:, None] * stride_gu
     if INTERLEAVED:

@@ -7,7 +7,7 @@ import torch
 
 from fasttune.kernels import moe_reference as reference
 from fasttune.kernels.grouped_mm import group_offsets, grouped_mm, grouped_mm_wgrad
-from helpers.compare import check_fp32, check_lowp
+from helpers.kernel_checks import check_in_norm
 
 # Group sizes with empty groups first, in the middle and last; one group wider than a 64-row tile.
 COUNTS = [0, 3, 0, 70, 1, 0]
@@ -46,9 +46,9 @@ def test_grouped_mm_matches_float64(device, dtype, transposed):
     ref64 = reference.grouped_mm(x.double(), w.double(), offs)
     assert got.dtype == dtype
     if dtype == torch.float32:
-        check_fp32(got, ref64, "y")
+        check_in_norm(got, ref64, what="y")
     else:
-        check_lowp(got, _bf16_loop(x, w, offs), ref64, dtype, "y")
+        check_in_norm(got, ref64, _bf16_loop(x, w, offs), what="y", lowp=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,11 +65,11 @@ def test_grouped_wgrad_matches_float64_and_zeroes_empty_groups(device, dtype):
             assert torch.equal(got[e], torch.zeros_like(got[e])), f"empty group {e} not zero"
     ref64 = reference.grouped_mm_wgrad(a.double(), b.double(), offs, E)
     if dtype == torch.float32:
-        check_fp32(got, ref64, "dW")
+        check_in_norm(got, ref64, what="dW")
     else:
         same = torch.stack([a[lo:hi].t() @ b[lo:hi] if hi > lo else torch.zeros(M, N, dtype=dtype, device=device)
                             for lo, hi in zip([0] + offs.tolist()[:-1], offs.tolist())])
-        check_lowp(got, same, ref64, dtype, "dW")
+        check_in_norm(got, ref64, same, what="dW", lowp=dtype)
 
 
 def test_bad_inputs_name_the_argument(device):
@@ -96,11 +96,12 @@ def test_torch_grouped_mm_path_at_real_size():
     offs = group_offsets(ids, E)
     x = torch.randn(S, K, generator=g, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(E, N, K, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2) * K ** -0.5
-    check_lowp(grouped_mm(x, w, offs), _bf16_loop(x, w, offs), reference.grouped_mm(x.double(), w.double(), offs),
-               torch.bfloat16, "y")
+    check_in_norm(grouped_mm(x, w, offs), reference.grouped_mm(x.double(), w.double(), offs), _bf16_loop(x, w, offs),
+                  what="y", lowp=torch.bfloat16)
     dy = torch.randn(S, N, generator=g, device="cuda", dtype=torch.bfloat16)
     dw = grouped_mm_wgrad(x, dy, offs, E)
     assert torch.equal(dw[E - 1], torch.zeros_like(dw[E - 1]))
-    ref = reference.grouped_mm_wgrad(x[:4096].double(), dy[:4096].double(), offs.clamp(max=4096), E)
-    check_lowp(grouped_mm_wgrad(x[:4096], dy[:4096], offs.clamp(max=4096), E),
-               reference.grouped_mm_wgrad(x[:4096], dy[:4096], offs.clamp(max=4096), E), ref, torch.bfloat16, "dW")
+    half = offs.clamp(max=4096)
+    ref = reference.grouped_mm_wgrad(x[:4096].double(), dy[:4096].double(), half, E)
+    same = reference.grouped_mm_wgrad(x[:4096], dy[:4096], half, E)
+    check_in_norm(grouped_mm_wgrad(x[:4096], dy[:4096], half, E), ref, same, what="dW", lowp=torch.bfloat16)

@@ -9,7 +9,7 @@ import torch
 from fasttune.kernels import moe_reference as reference
 from fasttune.kernels.moe_glu import moe_glu, moe_glu_backward
 from fasttune.kernels.moe_reference import GLU_KINDS, ExpertGLU
-from helpers.compare import check_fp32, check_lowp
+from helpers.kernel_checks import check_in_norm
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -41,13 +41,13 @@ def test_forward_and_backward_fp32(device, kind, with_weights):
     gu, w, dh = _inputs(device, torch.float32, kind, seed=GLU_KINDS.index(kind))
     w = w if with_weights else None
     h64, dgu64, dw64 = _ref(gu, w, dh, glu)
-    check_fp32(moe_glu(gu, w, glu), h64, "h")
+    check_in_norm(moe_glu(gu, w, glu), h64, what="h")
     dgu, h, dw = moe_glu_backward(gu, dh, w, glu)
-    check_fp32(dgu, dgu64, "dgate_up")
-    check_fp32(h, h64, "recomputed h")
+    check_in_norm(dgu, dgu64, what="dgate_up")
+    check_in_norm(h, h64, what="recomputed h")
     assert (dw is None) == (w is None)
     if w is not None:
-        check_fp32(dw, dw64, "dweights")
+        check_in_norm(dw, dw64, what="dweights")
 
 
 @pytest.mark.parametrize("kind", ["silu", "clamped_swiglu"])
@@ -61,10 +61,10 @@ def test_bf16_within_twice_torch_error(device, kind):
     gate, up = reference.split_gate_up(gub, glu)
     hb = reference._glu_math(gate, up, glu) * wb[:, None]
     dgub, dwb = torch.autograd.grad(hb, [gub, wb], dh)
-    check_lowp(moe_glu(gu, w, glu), hb, h64, torch.bfloat16, "h")
+    check_in_norm(moe_glu(gu, w, glu), h64, hb, what="h", lowp=torch.bfloat16)
     dgu, h, dw = moe_glu_backward(gu.clone(), dh, w, glu)
-    check_lowp(dgu, dgub, dgu64, torch.bfloat16, "dgate_up")
-    check_lowp(dw.to(torch.bfloat16), dwb, dw64, torch.bfloat16, "dweights")
+    check_in_norm(dgu, dgu64, dgub, what="dgate_up", lowp=torch.bfloat16)
+    check_in_norm(dw.to(torch.bfloat16), dw64, dwb, what="dweights", lowp=torch.bfloat16)
 
 
 def test_overwrite_writes_the_gradient_into_gate_up(device):
