@@ -43,6 +43,9 @@ class FastConfig:
                 "residual stream's gradient (no separate add kernels; same forward values)."})
     rope: bool = field(default=True, metadata={"help": "Triton rotary embedding applied to Q and K in one launch."})
     mlp: bool = field(default=True, metadata={"help": "Triton SwiGLU/GeGLU activation in the gated MLP."})
+    moe: bool = field(default=True, metadata={
+        "help": "Mixture-of-experts layers: the routed experts as one sorted, grouped computation (grouped "
+                "products, fused GLU, hand-written backward), with PEFT LoRA on the experts fused in."})
     lora: bool = field(default=True, metadata={
         "help": "Fused LoRA paths (gated MLP, QKV, O; NF4 dequantised on the fly) for PEFT LoRA "
                 "modules with dropout 0, no bias and no DoRA; other LoRA modules keep PEFT's path."})

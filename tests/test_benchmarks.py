@@ -69,3 +69,17 @@ def test_trace_gaps_attributes_idle_time_to_phases_and_launching_ops():
     assert lines[2].startswith("by launching op: MyFunction 0.2 ms")
     assert lines[5] == "| 220 | backward | yes | MyFunction | triton_kernel | gemm_b |"
     assert "| 45 | forward | no | - | add_kernel | triton_kernel |" in lines
+
+
+@pytest.mark.slow
+def test_bench_moe_step_smoke(tmp_path):
+    """The Qwen3-30B-A3B MoE step script: hf and fasttune rows with LoRA on the experts, the same
+    step-1 loss (B = 0), every MoE call fused, one RESULT line per stack."""
+    out = tmp_path / "moe.json"
+    stdout = _run(["benchmarks/bench_moe_step.py", "--smoke", "--stacks", "hf,fasttune", "--layers", "1",
+                   "--ckpt-dir", "", "--out", str(out)], 900)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stack"] for r in rows] == ["hf", "fasttune"] and all("tokens_per_s" in r for r in rows), rows
+    assert abs(rows[0]["loss_step1"] - rows[1]["loss_step1"]) <= 1e-3, rows
+    assert rows[1]["calls"] and all(k.endswith("/fused") for k in rows[1]["calls"]), rows
+    assert stdout.count("RESULT hf 1x64:") == 1 and stdout.count("RESULT fasttune 1x64:") == 1, stdout

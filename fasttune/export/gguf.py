@@ -115,7 +115,8 @@ def _arch_for(cfg_dict: dict[str, Any]) -> str:
     if spec is None:
         raise ValueError(f"GGUF export: model_type {cfg_dict.get('model_type')!r} is not one of {sorted(FAMILIES)}")
     if spec.gguf_arch not in gguf_arch.ARCHS:
-        raise ValueError(f"GGUF arch {spec.gguf_arch!r} has no converter rules")
+        raise ValueError(f"GGUF export of {cfg_dict.get('model_type')!r} (llama.cpp arch {spec.gguf_arch!r}) is not "
+                         f"implemented; GGUF arches with converter rules: {sorted(gguf_arch.ARCHS)}")
     return spec.gguf_arch
 
 
@@ -124,6 +125,7 @@ def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry]) -> list[_T
     import gguf
 
     spec = gguf_arch.ARCHS[arch]
+    gguf_arch.check_config(arch, cfg)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
     by_name = {e.name: e for e in entries}
     plan: list[_Tensor] = []
@@ -135,6 +137,15 @@ def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry]) -> list[_T
             if embed is None or not torch.equal(e.load(), embed.load()):
                 raise ValueError(f"GGUF arch {arch!r} ties the output projection to the embeddings; "
                                  "this model has a separate lm_head (tie_word_embeddings=False)")
+            continue
+        parts = gguf_arch.expert_parts(e.name, e.shape)
+        if parts is not None:  # stacked MoE experts (no ".weight" suffix in transformers 5)
+            for key, shape, index in parts:
+                new = name_map.get_name(key)
+                if new is None:
+                    raise ValueError(f"GGUF arch {arch!r}: no tensor name for {key!r}")
+                plan.append(_Tensor(new + ".weight", shape, lambda e=e, i=index: e.load().detach()[i].to(
+                    "cpu", torch.float32).contiguous().numpy()))
             continue
         new = name_map.get_name(e.name, try_suffixes=(".weight", ".bias"))
         if new is None:
@@ -163,7 +174,8 @@ def _tensor_type(quant: str, t: _Tensor):
     import gguf
 
     q = _qtype(quant)
-    if len(t.shape) <= 1 or t.name.endswith("_norm.weight") or not t.name.endswith(".weight") \
+    # MoE routers (ffn_gate_inp) stay F32, as llama.cpp's own converter keeps them.
+    if len(t.shape) <= 1 or t.name.endswith(("_norm.weight", "ffn_gate_inp.weight")) or not t.name.endswith(".weight") \
             or t.name.startswith(("rope_freqs", "rope_factors")):
         return gguf.GGMLQuantizationType.F32
     if quant in ("f32", "f16", "bf16"):

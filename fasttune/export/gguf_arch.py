@@ -175,6 +175,51 @@ def _meta_none(w, cfg):
     return None
 
 
+def _meta_experts(w, cfg) -> None:
+    """Expert counts of a mixture-of-experts config (nothing for a dense one). llama.cpp's llama
+    and qwen3moe graphs route softmax → top-k → renormalised weights: Mixtral's and Qwen3-MoE's
+    ``norm_topk_prob=True``."""
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not n_experts:
+        return
+    w.add_expert_count(int(n_experts))
+    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+
+
+def _meta_llama_moe(w, cfg):
+    _meta_llama(w, cfg)
+    _meta_experts(w, cfg)
+
+
+def check_config(arch: str, cfg: dict[str, Any]) -> None:
+    """ValueError for a config the arch's llama.cpp graph cannot represent (before any tensor is read)."""
+    if arch == "qwen3moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1):
+        raise ValueError("llama.cpp's qwen3moe graph has a mixture of experts in every layer; this config has "
+                         "dense layers (mlp_only_layers / decoder_sparse_step)")
+    if (cfg.get("num_experts") or cfg.get("num_local_experts")) and cfg.get("norm_topk_prob", True) is False:
+        raise ValueError("llama.cpp renormalises the top-k router weights; norm_topk_prob=False has no GGUF form")
+
+
+def _meta_qwen3moe(w, cfg):
+    _meta_experts(w, cfg)
+    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+
+
+def expert_parts(hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple]] | None:
+    """(HF-style key the GGUF name map knows, shape, index into the tensor) for stacked expert
+    parameters (transformers 5: ``mlp.experts.gate_up_proj`` [E, 2I, H] → gate and up halves as
+    ``ffn_gate_exps`` / ``ffn_up_exps``; ``mlp.experts.down_proj`` [E, H, I] as is); None otherwise.
+    GGUF stores them with the dimensions reversed: [H, I, E] and [I, H, E], llama.cpp's layout."""
+    if hf_name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
+        E, two_i, H = shape
+        prefix, half = hf_name[: -len("gate_up_proj")], two_i // 2
+        return [(prefix + "gate_proj", (E, half, H), (slice(None), slice(0, half))),
+                (prefix + "up_proj", (E, half, H), (slice(None), slice(half, two_i)))]
+    if hf_name.endswith("mlp.experts.down_proj") and len(shape) == 3:
+        return [(hf_name, tuple(shape), ())]
+    return None
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """What differs between GGUF architectures.
@@ -196,10 +241,11 @@ class ArchSpec:
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", permute_qk=True, metadata=_meta_llama),
+    "llama": ArchSpec("llama", permute_qk=True, metadata=_meta_llama_moe),  # Mixtral's experts too
     "granite": ArchSpec("granite", permute_qk=True, metadata=_meta_granite),
     "qwen2": ArchSpec("qwen2"),
     "qwen3": ArchSpec("qwen3"),
+    "qwen3moe": ArchSpec("qwen3moe", metadata=_meta_qwen3moe),
     "gemma": ArchSpec("gemma", norm_shift=1.0, output="never"),
     "gemma2": ArchSpec("gemma2", norm_shift=1.0, output="never", metadata=_meta_gemma2),
     "gemma3": ArchSpec("gemma3", norm_shift=1.0, metadata=_meta_gemma3),

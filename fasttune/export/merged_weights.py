@@ -7,7 +7,8 @@ it is NF4/int8 through bitsandbytes)::
     W' = m / ‖W + s · B A‖_row · (W + s · B A)   (DoRA, m the learned magnitude per output row)
 
 computed in float32 and cast only when written. Embedding LoRA adds ``s · (B A)ᵀ``. A
-``modules_to_save`` copy replaces the original module. Nothing is merged in place: each entry
+``modules_to_save`` copy replaces the original module. LoRA on a parameter (PEFT's ``ParamWrapper``,
+``target_parameters``: stacked MoE experts) adds PEFT's own ``get_delta_weight``. Nothing is merged in place: each entry
 holds a ``load()`` that computes its tensor on demand, so a writer can stream a checkpoint
 while at most one merged tensor (plus one shard) is alive.
 
@@ -168,6 +169,27 @@ def _lora_weight_merger(module: nn.Module) -> Callable[[torch.Tensor], torch.Ten
     return merge
 
 
+def _is_param_wrapper(module: nn.Module) -> bool:
+    """PEFT's LoRA on a parameter (``LoraConfig(target_parameters=...)``)."""
+    return _is_lora_layer(module) and hasattr(module, "parameter_name") and hasattr(module, "get_delta_weight")
+
+
+def _param_merger(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """fp32 base parameter → merged, with PEFT's own delta (it knows the stacked-experts layouts)."""
+    adapters = [a for a in _active_adapters(module) if a in module.lora_A and a not in module.merged_adapters]
+    if not adapters:
+        return None
+
+    def merge(param: torch.Tensor) -> torch.Tensor:
+        out = param.detach().to(torch.float32)
+        with torch.no_grad():
+            for a in adapters:
+                out = out + module.get_delta_weight(a).to(out.device, torch.float32)
+        return out
+
+    return merge
+
+
 def _lora_bias_merger(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     adapters = [a for a in _active_adapters(module)
                 if getattr(module, "lora_bias", {}).get(a) and a not in module.merged_adapters]
@@ -197,6 +219,9 @@ class _Walker:
         self.entries.append(WeightEntry(name, tuple(shape), load))
 
     def walk(self, module: nn.Module, prefix: str) -> None:
+        if _is_param_wrapper(module):
+            self._param_lora(module, prefix)
+            return
         if _is_lora_layer(module):
             self._lora(module, prefix)
             return
@@ -214,6 +239,28 @@ class _Walker:
         for bname, buf in module._buffers.items():
             if buf is not None and bname not in module._non_persistent_buffers_set:
                 self.add(prefix + bname, buf.shape, lambda b=buf: _as_float(b), buf, False)
+        for cname, child in module._modules.items():
+            if child is not None:
+                self.walk(child, f"{prefix}{cname}.")
+
+    def _param_lora(self, module: nn.Module, prefix: str) -> None:
+        """PEFT ``ParamWrapper``s (LoRA on a parameter, e.g. stacked MoE experts; nested, one per
+        targeted parameter) around one module: its tensors with each wrapper's delta added."""
+        merges = {}
+        while _is_param_wrapper(module):
+            merge = _param_merger(module)
+            if merge is not None:
+                merges[module.parameter_name] = merge
+            module = module.base_layer
+        for pname, param in module._parameters.items():
+            if param is None:
+                continue
+            merge = merges.get(pname)
+            if merge is not None:
+                self.rules.merge[prefix + pname] = merge
+                self.rules.shapes[prefix + pname] = tuple(param.shape)
+            self.add(prefix + pname, param.shape, lambda p=param, f=merge: f(p) if f else _as_float(p), param,
+                     merge is not None)
         for cname, child in module._modules.items():
             if child is not None:
                 self.walk(child, f"{prefix}{cname}.")

@@ -95,13 +95,19 @@ class FastAttentionForward(PatchedForward):
         self.project_o: Callable = project_o
         self.use_rope_kernel = use_rope_kernel
         self.qk_norm = spec.qk_norm
+        if self.qk_norm == "head_optional":  # GLM-4-MoE: config.use_qk_norm decides whether the module has them
+            self.qk_norm = "head" if hasattr(module, "q_norm") else None
         self.attention_kwargs = tuple(spec.attention_kwargs)
         self.eager = eager
         self.stock_rope = stock_rope
         self.functions = functions
         self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
+        self.half_cos = spec.rope_half_cos
 
     def _rope(self, q, k, cos, sin):
+        if self.use_rope_kernel and self.half_cos:  # gpt-oss: [cos | cos] is the same rotation, in our layout
+            stock_cos_sin = (cos, sin)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         if self.use_rope_kernel:
             decode = self.stock_rope is not None and few_rows_without_grad(q.shape[0] * q.shape[2])  # B·S tokens
             if _rope_fits(q, k, cos, sin) and not decode:
@@ -114,6 +120,8 @@ class FastAttentionForward(PatchedForward):
             from ..kernels.reference import apply_rope as reference_rope
 
             return reference_rope(q, k, cos, sin)
+        if self.use_rope_kernel and self.half_cos:
+            cos, sin = stock_cos_sin
         return self.stock_rope(q, k, cos, sin)
 
     def _extra_kwargs(self, module):
@@ -204,7 +212,11 @@ def check_attention(module: nn.Module, spec: FamilySpec, use_rope_kernel: bool =
     if spec.qkv_layout == "fused" and not (hasattr(module, "num_key_value_heads")
                                            and hasattr(module.config, "num_attention_heads")):
         return "fused qkv_proj without num_key_value_heads / config.num_attention_heads"
-    if spec.qk_norm is not None and not (hasattr(module, "q_norm") and hasattr(module, "k_norm")):
+    if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
+        return "config.clip_qkv clamps q/k/v (OLMoE), which this forward does not model"
+    if spec.qk_norm == "head_optional" and hasattr(module, "q_norm") != hasattr(module, "k_norm"):
+        return "q_norm without k_norm (or the reverse)"
+    if spec.qk_norm in ("head", "full") and not (hasattr(module, "q_norm") and hasattr(module, "k_norm")):
         return f"the family row expects q_norm/k_norm ({spec.qk_norm}) and the module has none"
     for name, source in spec.attention_kwargs:
         where, attr = source.split(":", 1)

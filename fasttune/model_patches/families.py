@@ -40,7 +40,8 @@ class FamilySpec:
         norm_offset: 1.0 where the norm scales by (1 + weight) (Gemma).
         norm_casting: "llama" (normalise in fp32, cast, multiply) or "gemma" (all fp32, cast last).
         qkv_layout: "separate" (q_proj/k_proj/v_proj) or "fused" (one qkv_proj, Phi-3).
-        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3) or "full" (over the whole
+        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3), "head_optional" ("head" where
+            the module has q_norm/k_norm, GLM-4-MoE's config.use_qk_norm) or "full" (over the whole
             projection before the head split, OLMo2).
         attention_kwargs: extra keyword arguments the stock attention passes to the attention
             function, as (name, source) with source "module:<attr>" or "config:<attr>".
@@ -55,6 +56,15 @@ class FamilySpec:
             post-feedforward norm: Gemma 2/3, OLMo2); False where it only enters the residual sum,
             so a checkpoint recompute may skip computing it.
         gguf_arch: llama.cpp architecture name for GGUF export.
+        moe_block_class: the sparse mixture-of-experts block (router + experts) a decoder layer holds
+            in place of a dense MLP, or None for dense families (``moe.py``).
+        experts_class: the experts module of that block (stacked 3-D ``gate_up_proj``/``down_proj``).
+        experts_glu: "act" (the config's activation on the first half of gate_up, times the second
+            half) or "clamped_swiglu" (gpt-oss: interleaved gate/up, clamped, α-sigmoid, up + 1).
+        experts_transposed: expert weights stored [E, in, out] (gpt-oss) instead of [E, out, in].
+        experts_bias: the expert projections carry biases ``gate_up_proj_bias``/``down_proj_bias``.
+        rope_half_cos: the rotary tables hold half the rotary width (gpt-oss); the kernel gets them
+            repeated, [cos | cos], which is the same rotation.
     """
 
     model_type: str
@@ -62,7 +72,7 @@ class FamilySpec:
     causal_lm_class: str
     decoder_layer_class: str
     attention_class: str
-    mlp_class: str
+    mlp_class: str | None  # None: no dense MLP class (every layer is a mixture of experts)
     norm_class: str
     norm_eps_attr: str = "variance_epsilon"
     norm_offset: float = 0.0
@@ -77,6 +87,12 @@ class FamilySpec:
     pre_norm_layer: bool = False
     mlp_output_saved: bool = False
     gguf_arch: str = "llama"
+    moe_block_class: str | None = None
+    experts_class: str | None = None
+    experts_glu: str = "act"
+    experts_transposed: bool = False
+    experts_bias: bool = False
+    rope_half_cos: bool = False
 
 
 def _row(base: FamilySpec, model_type: str, prefix: str, **changes) -> FamilySpec:
@@ -132,9 +148,31 @@ GRANITE = _row(LLAMA, "granite", "Granite", logit_divisor_attr="logits_scaling",
 OLMO2 = _row(LLAMA, "olmo2", "Olmo2", qk_norm="full", norm_casting="gemma", mlp_output_saved=True,
              pre_norm_layer=False, gguf_arch="olmo2")
 
+# Mixtures of experts: the dense row of the same attention, plus the MoE block and its experts.
+# Qwen3-MoE keeps dense MLP layers where config.mlp_only_layers says so; the others are MoE only.
+QWEN3_MOE = _row(QWEN3, "qwen3_moe", "Qwen3Moe", moe_block_class="Qwen3MoeSparseMoeBlock",
+                 experts_class="Qwen3MoeExperts", gguf_arch="qwen3moe")
+MIXTRAL = _row(MISTRAL, "mixtral", "Mixtral", mlp_class=None, moe_block_class="MixtralSparseMoeBlock",
+               experts_class="MixtralExperts", gguf_arch="llama")
+OLMOE = _row(LLAMA, "olmoe", "Olmoe", qk_norm="full", attention_kwargs=(("sliding_window", "config:sliding_window"),),
+             mlp_class=None, moe_block_class="OlmoeSparseMoeBlock", experts_class="OlmoeExperts", gguf_arch="olmoe")
+GRANITEMOE = _row(GRANITE, "granitemoe", "GraniteMoe", mlp_class=None, moe_block_class="GraniteMoeMoE",
+                  experts_class="GraniteMoeExperts", gguf_arch="granitemoe")
+# GLM-4-MoE: the first config.first_k_dense_replace layers dense, then MoE blocks with a shared
+# expert (a dense Glm4MoeMLP, patched as one); partial rotary (config.partial_rotary_factor).
+GLM4_MOE = _row(LLAMA, "glm4_moe", "Glm4Moe", qk_norm="head_optional", moe_block_class="Glm4MoeMoE",
+                experts_class="Glm4MoeExperts", gguf_arch="glm4moe")
+# gpt-oss: attention sinks (passed on as s_aux), half-width rotary tables, norms that multiply in
+# fp32 before the cast, and a block that returns (output, router scores): not a pre-norm layer.
+GPT_OSS = _row(LLAMA, "gpt_oss", "GptOss", mlp_class=None, norm_casting="gemma", rope_half_cos=True,
+               attention_kwargs=(("sliding_window", "module:sliding_window"), ("s_aux", "module:sinks")),
+               pre_norm_layer=False, moe_block_class="GptOssMLP", experts_class="GptOssExperts",
+               experts_glu="clamped_swiglu", experts_transposed=True, experts_bias=True, gguf_arch="gpt-oss")
+
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
-    for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2)
+    for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
+                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS)
 }
 
 
@@ -156,6 +194,8 @@ def resolve_classes(spec: FamilySpec) -> dict[str, type]:
         return {}
     found = {}
     for field_name in _CLASS_FIELDS:
+        if getattr(spec, field_name) is None:  # a family without that kind of module (mlp_class of MoE-only ones)
+            continue
         cls = getattr(module, getattr(spec, field_name), None)
         if isinstance(cls, type):
             found[field_name] = cls

@@ -2,7 +2,8 @@
 
 With labels in training mode, the patched forward runs the backbone, then computes the loss from
 the last hidden states and the lm_head weight with ``fused_linear_cross_entropy`` (family extras:
-final-logit soft-cap, logit scaling). Without labels, in eval mode, or when the caller asks for
+final-logit soft-cap, logit scaling). Mixture-of-experts models add their routers' auxiliary loss
+as stock does (``moe_aux.py``) and return ``MoeCausalLMOutputWithPast``. Without labels, in eval mode, or when the caller asks for
 logits, it runs the stock forward, so generation and evaluation are unchanged.
 
 It also answers TRL's fused-LM-head protocol (``model(..., labels=..., fused_lm_head=True)``, TRL
@@ -33,6 +34,7 @@ from ..config import FastConfig
 from ..kernels.cross_entropy import fused_linear_cross_entropy
 from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
+from .moe_aux import MoeCausalLMOutputWithPast, add_router_aux, router_logits_wanted
 from .report import PatchReport
 from .trl_head import FusedLMHeadOutput, TrlHeadSettings, fused_lm_head_fields, provides_fused_head
 from .zero3 import is_zero3_param, zero3_ready
@@ -215,6 +217,9 @@ class FusedLossCausalLMForward(PatchedForward):
             return self._call_stock(args, kwargs, labels, shift_labels, num_items_in_batch)
         self.count()
         kwargs.pop("logits_to_keep", None)
+        router_aux = router_logits_wanted(self.module, kwargs)  # None: not a mixture of experts
+        if router_aux is not None:
+            kwargs["output_router_logits"] = router_aux
         outputs, hidden = self._backbone(args, kwargs)
         weight, bias = params
         h, y, weight, _ = self._flat_inputs(hidden, labels, shift_labels, weight)
@@ -224,10 +229,17 @@ class FusedLossCausalLMForward(PatchedForward):
             label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
             logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib,
         )
-        result = CausalLMOutputWithPast(
-            loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
-            attentions=getattr(outputs, "attentions", None),
-        )
+        common = dict(logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+                      attentions=getattr(outputs, "attentions", None))
+        if router_aux is None:
+            result = CausalLMOutputWithPast(loss=loss, **common)
+        else:
+            aux = None
+            if router_aux:
+                mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+                loss, aux = add_router_aux(self.module, loss, outputs, mask)
+            result = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, router_logits=getattr(
+                outputs, "router_logits", None), **common)
         setattr(result, _CACHE_FIELD, getattr(outputs, _CACHE_FIELD, None))
         return result
 

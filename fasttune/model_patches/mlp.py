@@ -115,6 +115,9 @@ def _probe(act_fn, kind: str) -> bool:
         got.float(), _KERNEL_MATH[kind](x), rtol=1e-5, atol=1e-6)
 
 
+probe_activation = _probe  # public name for the MoE experts' act_fn check (moe.py)
+
+
 def check_mlp(module: nn.Module, spec: FamilySpec, activation: str | None, use_kernel: bool):
     """(reason it cannot be patched or None, the activation attribute of the module)."""
     try:
@@ -152,8 +155,8 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
     Installed when ``config.mlp`` (the activation kernel) or ``config.lora`` (the fused-LoRA hook)
     is on; reported as "mlp" per module with the kernel, "mlp_hook" without it.
     """
-    if not (config.mlp or config.lora):
-        return
+    if not (config.mlp or config.lora) or spec.mlp_class is None:
+        return  # (a family of mixture-of-experts layers only: moe.py)
     op = OP if config.mlp else OP_HOOK
     mlp_cls = family_class(spec, classes, "mlp_class", op, report)
     if mlp_cls is None:
@@ -162,7 +165,7 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
     for name, module in base.named_modules():
         if layer_cls is not None and type(module) is layer_cls:
             child = getattr(module, MLP_ATTR, None)
-            if child is not None and type(child) is not mlp_cls:
+            if child is not None and type(child) is not mlp_cls and type(child).__name__ != spec.moe_block_class:
                 report.fallback(op, f"{name}.{MLP_ATTR}", f"is {type(child).__name__}, not {spec.mlp_class}")
         if type(module) is not mlp_cls:
             continue
@@ -184,4 +187,4 @@ def mlp_forward(module: nn.Module) -> FastMLPForward | None:
     return fwd if isinstance(fwd, FastMLPForward) else None
 
 
-__all__ = ["FastMLPForward", "check_mlp", "config_activation", "mlp_forward", "patch_mlp"]
+__all__ = ["FastMLPForward", "check_mlp", "config_activation", "mlp_forward", "patch_mlp", "probe_activation"]

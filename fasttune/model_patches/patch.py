@@ -20,6 +20,7 @@ from .head import patch_head
 from .instance import find_causal_lm
 from .lora import patch_lora
 from .mlp import patch_mlp
+from .moe import patch_moe
 from .norm import patch_norms
 from .report import PatchReport
 from .residual import patch_residuals
@@ -29,7 +30,8 @@ logger = logging.getLogger("fasttune")
 STATE_ATTR = "_fasttune_report"
 
 # The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
-PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_lora, patch_residuals, install_checkpointing)
+PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora, patch_residuals,
+            install_checkpointing)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:

@@ -46,3 +46,21 @@ def test_checkpoint_shards_and_lazy_entries(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         checkpoint_shards(tmp_path)
+
+
+def test_lora_on_stacked_experts_merges_like_peft():
+    """PEFT's ParamWrapper (LoRA on the experts' 3-D parameters, nested one per parameter): the
+    merged tensors are PEFT's merge_and_unload ones, gpt-oss's transposed layout included."""
+    for model_type in ("qwen3_moe", "gpt_oss"):
+        base = tiny_model(model_type, vocab_size=300, mlp_only_layers=[])
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        model = get_peft_model(base, cfg)
+        merged = {e.name: e.load() for e in model_weights(model)[0]}
+        reference = copy.deepcopy(model).merge_and_unload().state_dict()
+        assert set(merged) == set(reference), model_type
+        for name, tensor in reference.items():
+            assert torch.allclose(merged[name], tensor.float(), atol=1e-6, rtol=1e-5), (model_type, name)
+        experts = [n for n in merged if "experts" in n and not n.endswith("_bias")]
+        unmerged = copy.deepcopy(model).unload().state_dict()
+        assert experts and all(not torch.allclose(merged[n], unmerged[n].float()) for n in experts)

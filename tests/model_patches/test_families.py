@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoConfig
 
 from fasttune.model_patches.families import ACTIVATIONS, FAMILIES, family_for, resolve_classes
-from helpers.tiny_models import FAMILY_TYPES
+from helpers.tiny_models import FAMILY_TYPES, MOE_TYPES
 
 CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
 
@@ -17,7 +17,12 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     spec = FAMILIES[model_type]
     assert spec.model_type == model_type
     classes = resolve_classes(spec)
-    assert set(classes) == set(CLASS_FIELDS), f"unresolved: {set(CLASS_FIELDS) - set(classes)}"
+    expected = {f for f in CLASS_FIELDS if getattr(spec, f) is not None}  # MoE-only families have no mlp_class
+    assert set(classes) == expected, f"unresolved: {expected - set(classes)}"
+    for name in (spec.moe_block_class, spec.experts_class):  # MoE rows: both or neither, and they resolve
+        assert (name is None) == (spec.moe_block_class is None)
+        assert name is None or isinstance(getattr(importlib.import_module(spec.modeling_module), name, None), type)
+    assert spec.experts_glu in ("act", "clamped_swiglu")
     config = AutoConfig.for_model(model_type)
     assert config.model_type == model_type
     assert any(getattr(config, a, None) in ACTIVATIONS for a in spec.activation_attrs)
@@ -25,7 +30,7 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     assert classes["causal_lm_class"].__module__ == module.__name__
     for attr in (spec.final_softcap_attr, spec.logit_divisor_attr):
         assert attr is None or hasattr(config, attr)
-    assert spec.norm_casting in ("llama", "gemma") and spec.qk_norm in (None, "head", "full")
+    assert spec.norm_casting in ("llama", "gemma") and spec.qk_norm in (None, "head", "head_optional", "full")
     assert spec.qkv_layout in ("separate", "fused") and spec.mlp_layout in ("separate", "fused")
     for _, source in spec.attention_kwargs:
         assert source.split(":")[0] in ("module", "config")
@@ -33,9 +38,9 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
 
 
 def test_every_row_has_a_tiny_model_in_the_parity_tests():
-    # test_family_parity.py, test_lora.py and test_attention.py run over FAMILY_TYPES: a row missing
-    # there would skip its parity test.
-    assert sorted(FAMILY_TYPES) == sorted(FAMILIES)
+    # test_family_parity.py, test_lora.py and test_attention.py run over FAMILY_TYPES, test_moe.py over
+    # MOE_TYPES: a row missing there would skip its parity test.
+    assert sorted(FAMILY_TYPES + MOE_TYPES) == sorted(FAMILIES)
 
 
 def test_lookup_is_exact():

@@ -31,6 +31,26 @@ _EXTRA = {
 }
 
 
+# Mixture-of-experts families (tests/model_patches/test_moe.py): 4 experts, top-2, a small vocab
+# (the large-vocab path is the loss head's, covered by the dense families). Qwen3-MoE's second
+# layer is dense (mlp_only_layers), so both layer kinds run.
+MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "glm4_moe")
+_MOE = dict(vocab_size=1000, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+_EXTRA.update({
+    "qwen3_moe": dict(_MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                      decoder_sparse_step=1),
+    "mixtral": dict(_MOE, num_local_experts=4, intermediate_size=32, sliding_window=None),
+    "gpt_oss": dict(_MOE, num_local_experts=4, intermediate_size=32, swiglu_limit=0.1, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "olmoe": dict(_MOE, num_experts=4, intermediate_size=32, norm_topk_prob=False, pad_token_id=0),
+    "glm4_moe": dict(_MOE, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, use_qk_norm=True,
+                     partial_rotary_factor=0.5),
+    "granitemoe": dict(_MOE, num_local_experts=4, intermediate_size=32, embedding_multiplier=2.0,
+                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+})
+
+
 def tiny_config(model_type: str, **overrides):
     """A tiny random config of ``model_type`` (attention on the eager path for exact parity)."""
     kwargs = {**_BASE, **_EXTRA.get(model_type, {}), **overrides}

@@ -1,0 +1,292 @@
+"""One LoRA training step on a Qwen3-30B-A3B shape: fasttune vs stock HF+PEFT and Unsloth (H200).
+
+Model: random-init Qwen3-MoE with Qwen3-30B-A3B's widths (hidden 2048, 32 query / 4 KV heads of
+128, 128 experts, top-8, expert intermediate 768, V = 151,936) and ``--layers`` decoder layers (48
+in the real model; the per-layer work is identical, so a few layers show the ratio: the default 8
+keeps the random weights ~10 GB, which Unsloth must load from a checkpoint written to
+``--ckpt-dir``). bf16 weights, bf16 autocast, AdamW on the adapters, checkpointing on
+(HF's non-reentrant for hf, fasttune's ``--checkpointing`` (offload), Unsloth's own).
+
+LoRA r=16, alpha 16 (``--lora``):
+  experts   q/k/v/o plus the experts' stacked parameters through PEFT's ``target_parameters``
+            (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) — the default;
+  attention q/k/v/o only, the experts frozen.
+
+Stacks, each in its own process (``bench_step.py``'s Step/measure: median of ``--steps`` timed
+steps after ``--warmup``): ``hf`` (transformers' default grouped_mm experts + PEFT), ``fasttune``
+(``patch_model``; the run checks that every MoE block took the grouped path and, with ``--lora
+experts``, that the adapters were fused), ``unsloth`` (``FastLanguageModel`` on the saved
+checkpoint; its own MoE path). A stack that fails prints its row with the error and the others go on.
+
+One line per stack and shape, e.g.::
+
+    RESULT fasttune 4x2048: 12,345 tok/s, 662.1 ms/step, peak allocated 21.3 GiB, peak reserved 23.0 GiB, loss 12.02
+
+then a table with the speed-ups over hf and unsloth.
+
+Usage (H200, repo root, peers' wheels as for bench_step.py):
+    python3 benchmarks/bench_moe_step.py --layers 8 --out $OUT/moe.json
+    python3 benchmarks/bench_moe_step.py --layers 8 --lora attention --stacks hf,fasttune
+    python3 benchmarks/bench_moe_step.py --smoke     # tiny model on CPU (interpreter) or GPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step as common  # noqa: E402  (imports Unsloth first in an unsloth worker; sets the smoke interpreter)
+
+import torch  # noqa: E402
+
+GIB = 1 << 30
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                     use_cache=False, output_router_logits=False, router_aux_loss_coef=0.001,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=3)
+SMOKE = dict(QWEN3_30B_A3B, vocab_size=1031, hidden_size=128, moe_intermediate_size=64, num_experts=8,
+             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+STACKS = ("hf", "fasttune", "unsloth")
+
+
+def shape_of(args) -> dict:
+    return dict(SMOKE if args.smoke else QWEN3_30B_A3B, num_hidden_layers=args.layers)
+
+
+def build(args):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", **shape_of(args))
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if common.device() == "cuda" else torch.float32
+    with torch.device(common.device()):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.requires_grad_(False)
+    return model
+
+
+def lora_config(args):
+    from peft import LoraConfig
+
+    extra = dict(target_parameters=EXPERT_PARAMS) if args.lora == "experts" else {}
+    return LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", target_modules=ATTENTION,
+                      task_type="CAUSAL_LM", **extra)
+
+
+def prepare(stack: str, args, log):
+    if stack == "unsloth":
+        return prepare_unsloth(args, log)
+    from peft import get_peft_model
+
+    base = build(args)
+    if args.ckpt_dir and "unsloth" in args.stacks:
+        common.save_checkpoint(base, args.ckpt_dir)
+    model = get_peft_model(base, lora_config(args))
+    if stack == "hf":
+        common.hf_checkpointing(base)
+    else:
+        from fasttune import FastConfig, patch_model
+
+        report = patch_model(model, FastConfig(checkpointing=args.checkpointing))
+        log("    " + str(report).replace("\n", "\n    "))
+        want = {"moe": args.layers, **({"lora_moe": args.layers} if args.lora == "experts" else {})}
+        short = {op: report.patched[op] for op, n in want.items() if report.patched[op] != n}
+        if short:
+            raise RuntimeError(f"MoE fast path not installed on every layer {short}: {report}")
+        model._bench_report = report
+    model.train()
+    return model
+
+
+def prepare_unsloth(args, log):
+    if "UNSLOTH_IMPORT_ERROR" in vars(common):
+        raise RuntimeError(f"unsloth does not import: {common.UNSLOTH_IMPORT_ERROR}")
+    from unsloth import FastLanguageModel
+
+    if not os.path.exists(os.path.join(args.ckpt_dir or "-", "config.json")):
+        raise RuntimeError(f"no checkpoint at {args.ckpt_dir} (the hf or fasttune worker writes it)")
+    model, _ = FastLanguageModel.from_pretrained(args.ckpt_dir, max_seq_length=max(s for _, s in args.shapes),
+                                                 dtype=torch.bfloat16, load_in_4bit=False)
+    kw = dict(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", use_gradient_checkpointing="unsloth",
+              random_state=0, target_modules=list(ATTENTION))
+    if args.lora == "experts":
+        try:  # newer Unsloth takes PEFT's target_parameters for stacked experts
+            model = FastLanguageModel.get_peft_model(model, target_parameters=EXPERT_PARAMS, **kw)
+        except TypeError as err:
+            log(f"    unsloth: get_peft_model(target_parameters=...) refused ({err}); experts named as modules")
+            kw["target_modules"] += ["gate_up_proj", "down_proj"]
+            model = FastLanguageModel.get_peft_model(model, **kw)
+    else:
+        model = FastLanguageModel.get_peft_model(model, **kw)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    log(f"    unsloth: {len(trainable)} trainable tensors, {sum('expert' in n for n in trainable)} on experts")
+    if hasattr(FastLanguageModel, "for_training"):
+        FastLanguageModel.for_training(model)
+    model.train()
+    return model
+
+
+def worker(stack: str, args) -> None:
+    def log(msg):
+        print(msg, flush=True)
+
+    def emit(row):
+        print("RESULT " + json.dumps(row), flush=True)
+
+    try:
+        model = prepare(stack, args, log)
+    except Exception as err:  # noqa: BLE001 - a stack that does not run here is a row, not a crash
+        for b, s in args.shapes:
+            emit(dict(stack=stack, shape=f"{b}x{s}", error=f"setup: {type(err).__name__}: {err}"[:400]))
+        return
+    vocab = shape_of(args)["vocab_size"]
+    for b, s in args.shapes:
+        row = dict(stack=stack, shape=f"{b}x{s}")
+        if time.time() > args.deadline_at - 10:
+            emit(dict(row, error="skipped: time budget"))
+            continue
+        ids = torch.randint(4, vocab, (b, s), generator=torch.Generator().manual_seed(1)).to(common.device())
+        step = common.Step(model, dict(input_ids=ids, labels=ids))
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            row.update(common.measure(step, b * s, args.warmup, args.steps))
+            if torch.cuda.is_available():
+                row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
+            report = getattr(model, "_bench_report", None)
+            if report is not None:
+                row["calls"] = {f"{op}/{outcome}"[:120]: n for (op, outcome), n in report.calls.items()
+                                if op in ("moe", "lora_moe")}
+        except torch.OutOfMemoryError:
+            row["error"] = "out of memory"
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+        del step
+        model.zero_grad(set_to_none=True)
+        common.release()
+        emit(row)
+
+
+def line(r: dict) -> str:
+    if "error" in r:
+        return f"RESULT {r['stack']} {r['shape']}: FAILED {r['error']}"
+    return (f"RESULT {r['stack']} {r['shape']}: {r['tokens_per_s']:,} tok/s, {r['ms']:.1f} ms/step, "
+            f"peak allocated {r['peak_gib']} GiB, peak reserved {r.get('peak_reserved_gib', 'n/a')} GiB, "
+            f"loss {r['loss_step1']}" + (f", calls {r['calls']}" if r.get("calls") else ""))
+
+
+def run_stack(stack: str, args, log) -> list[dict]:
+    expected = [dict(stack=stack, shape=f"{b}x{s}") for b, s in args.shapes]
+    if args.deadline_at - time.time() < 30:
+        return [dict(r, error="skipped: time budget") for r in expected]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--deadline-at", str(args.deadline_at),
+           "--stacks", ",".join(args.stacks), "--layers", str(args.layers), "--lora", args.lora,
+           "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
+           "--ckpt-dir", args.ckpt_dir or ""] + (["--smoke"] if args.smoke else [])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
+               PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
+    rows, tail = [], []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    killer = threading.Timer(max(1.0, args.deadline_at + 20 - time.time()), proc.kill)
+    killer.start()
+    try:
+        for out in proc.stdout:
+            if out.startswith("RESULT "):
+                rows.append(json.loads(out[len("RESULT "):]))
+                log(line(rows[-1]))
+            elif out.startswith("  "):
+                log(out.rstrip())
+            tail = (tail + [out.rstrip()])[-15:]
+        proc.wait()
+    finally:
+        killer.cancel()
+    done = {r["shape"] for r in rows}
+    why = f"worker exit {proc.returncode}: " + " | ".join(tail[-4:])[-400:]
+    missing = [dict(r, error=why) for r in expected if r["shape"] not in done]
+    for r in missing:
+        log(line(r))
+    return rows + missing
+
+
+def table(rows: list[dict], args) -> str:
+    by = {(r["stack"], r["shape"]): r for r in rows}
+    out = ["| stack | shape | tok/s (× hf, × unsloth) | peak allocated GiB | peak reserved GiB |", "|---|---|---|---|---|"]
+    for stack in args.stacks:
+        for b, s in args.shapes:
+            r = by.get((stack, f"{b}x{s}"), {})
+            if "tokens_per_s" not in r:
+                out.append(f"| {stack} | {b}x{s} | {r.get('error', '-')[:80]} | | |")
+                continue
+            ratios = [f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}× {name}" for name in ("hf", "unsloth")
+                      if "tokens_per_s" in (ref := by.get((name, f"{b}x{s}"), {})) and name != stack]
+            out.append(f"| {stack} | {b}x{s} | {r['tokens_per_s']:,} ({', '.join(ratios) or '-'}) | {r['peak_gib']} "
+                       f"| {r.get('peak_reserved_gib', '')} |")
+    return "\n".join(out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated subset of " + ", ".join(STACKS))
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (Qwen3-30B-A3B has 48; default 8)")
+    p.add_argument("--lora", default="experts", choices=("experts", "attention"),
+                   help="LoRA on attention and the experts, or on attention only (experts frozen)")
+    p.add_argument("--shapes", default="4x2048", help="batch x sequence, comma-separated")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"))
+    p.add_argument("--ckpt-dir", default=None, help="where unsloth's checkpoint is written/read ('' to skip)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole run")
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.stacks = sorted((s for s in args.stacks.split(",") if s), key=lambda s: STACKS.index(s)
+                         if s in STACKS else p.error(f"unknown stack {s!r}"))
+    args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    if args.layers is None:
+        args.layers = 2 if args.smoke else 8
+    if args.smoke and args.shapes == [(4, 2048)]:
+        args.shapes, args.steps, args.warmup = [(1, 64)], min(args.steps, 1), min(args.warmup, 1)
+    if args.ckpt_dir is None:
+        args.ckpt_dir = f"/tmp/fasttune_bench_moe_{'smoke' if args.smoke else 'qwen3_30b_a3b'}_{args.layers}l"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args)
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("bench_moe_step.py needs a CUDA GPU (or --smoke)")
+    t0 = time.time()
+    args.deadline_at = t0 + args.budget_s
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f} s] {msg}", flush=True)
+
+    info = common.versions()
+    log(" ".join(f"{k}={v}" for k, v in info.items()) + f" layers={args.layers} lora={args.lora}")
+    rows = []
+    for stack in args.stacks:
+        rows += run_stack(stack, args, log)
+    print("\n" + table(rows, args) + f"\n\ntotal {time.time() - t0:.0f} s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"versions": info, "layers": args.layers, "lora": args.lora, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The routed expert MLP as one autograd Function: sort by expert, two grouped products, one GLU pass.
+
+For T tokens x [T, H], each routed to k experts (``top_k_index`` [T, k], router weights
+``top_k_weights`` [T, k]), with E experts of two projections (``moe_reference.ExpertProjection``:
+stacked weights, optional biases, optional LoRA A/B per expert):
+
+    out[t] = Σ_j w[t, j] · down_e( a(gate_up_e(x[t])) ),   e = top_k_index[t, j]
+    proj_e(z) = z Wₑᵀ + s·(z Aₑᵀ) Bₑᵀ + bₑ
+
+Forward (S = T·k rows):
+  1. sort the flat expert ids (stable): row i is (token t_i, expert e_i), groups of rows per
+     expert, ``offs`` their ends (no host sync); w_i the router weight of row i;
+  2. GU = grouped_mm(x[t], W_guᵀ) (+ s·(x[t] Aᵀ) Bᵀ, + b)                  [S, 2I]
+  3. H' = w · a(gate)·up   (``moe_glu``: the router weight folded into H)   [S, I]
+  4. Y = grouped_mm(H', W_dᵀ) (+ s·(H' Aᵀ) Bᵀ, + w·b)                        [S, H]
+  5. out[t] = Σ of the k rows of token t (a gather by the inverse permutation, a sum in fp32).
+
+Backward, dY_i = dout[t_i] (a gather):
+  dH' = dY W_d + s·(dY B_d) A_d;  (dGU, H', dw) = moe_glu_backward(GU, dH', w)  [dw_i = ⟨dH'_i, v_i⟩,
+  v = a(gate)·up]; with a down bias dw_i += ⟨dY_i, b_e⟩;  dx[t] = Σ_rows of t (dGU W_gu + s·(dGU B) A);
+  dW_d[e] = dY_eᵀ H'_e,  dW_gu[e] = dGU_eᵀ x_e  (grouped_mm_wgrad; transposed layouts swap operands);
+  dA = s·(dY B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
+
+Saved between forward and backward: GU [S, 2I] (its buffer receives dGU) and the routing indices;
+x[t], H' and the rank-r products are recomputed (x itself is the caller's). An expert with no row
+gets zero gradients. Every product runs in the base weight's dtype (x, adapters and biases are
+cast to it, as PEFT and transformers' grouped experts do); the output is returned in x's dtype,
+every gradient in its input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import moe_reference as reference
+from ._backend import check_float, check_same_device, use_triton
+from .grouped_mm import group_offsets, grouped_mm, grouped_mm_wgrad
+from .moe_glu import moe_glu, moe_glu_backward
+from .moe_reference import ExpertGLU, ExpertProjection
+
+__all__ = ["GroupedMLPFunction", "grouped_mlp", "ExpertGLU", "ExpertProjection"]
+
+_FIELDS = 4  # tensors per projection handed to the Function: weight, bias, lora_a, lora_b
+
+
+def _as_kn(p_weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The [E, in, out] view that rows multiply (z @ w[e])."""
+    return p_weight if transposed else p_weight.transpose(1, 2)
+
+
+class _Proj:
+    """One projection inside the Function: its tensors in the compute dtype and its layout."""
+
+    def __init__(self, weight, bias, lora_a, lora_b, scaling, transposed, dtype):
+        self.weight = weight.to(dtype)
+        self.bias = None if bias is None else bias.to(dtype)
+        # Contiguous copies of the (small) adapters: PEFT's B arrives as a strided view [E, out, r]
+        # whose layouts torch's grouped GEMM refuses.
+        self.a = None if lora_a is None else lora_a.to(dtype).contiguous()
+        self.b = None if lora_b is None else lora_b.to(dtype).contiguous()
+        self.scaling = float(scaling)
+        self.transposed = transposed
+
+    def rank_input(self, z, offs):
+        """s · z Aₑᵀ [rows, r]."""
+        return grouped_mm(z, self.a.transpose(1, 2), offs).mul_(self.scaling)
+
+    def forward(self, z, offs, expert, row_weight=None):
+        y = grouped_mm(z, _as_kn(self.weight, self.transposed), offs)
+        if self.a is not None:
+            y = y + grouped_mm(self.rank_input(z, offs), self.b.transpose(1, 2), offs)
+        if self.bias is not None:
+            b = self.bias[expert]
+            y = y + (b if row_weight is None else b * row_weight[:, None].to(b.dtype))
+        return y
+
+    def backward(self, z, dy, offs, needs):
+        """(dz, dweight, dbias-by-row source, dA, dB): dz of the rows, and the parameter gradients
+        asked for by ``needs`` (weight, lora_a, lora_b)."""
+        E = self.weight.shape[0]
+        dz = grouped_mm(dy, _as_kn(self.weight, self.transposed).transpose(1, 2), offs)
+        dw = da = db = None
+        if needs[0]:
+            dw = grouped_mm_wgrad(z, dy, offs, E) if self.transposed else grouped_mm_wgrad(dy, z, offs, E)
+        if self.a is not None:
+            dyb = grouped_mm(dy, self.b, offs).mul_(self.scaling)  # s · dY Bₑ [rows, r]
+            dz = dz + grouped_mm(dyb, self.a, offs)
+            if needs[1]:
+                da = grouped_mm_wgrad(dyb, z, offs, E)
+            if needs[2]:
+                db = grouped_mm_wgrad(dy, self.rank_input(z, offs), offs, E)
+        return dz, dw, da, db
+
+
+def _segment_sum(rows: torch.Tensor, expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Σ of the rows of each expert [E, N] (fp32 accumulation)."""
+    out = torch.zeros(num_experts, rows.shape[1], dtype=torch.float32, device=rows.device)
+    return out.index_add_(0, expert, rows.float())
+
+
+class GroupedMLPFunction(torch.autograd.Function):
+    """See the module docstring. Inputs: x, top_k_index, top_k_weights, glu, the two projections'
+    (scaling, transposed), then their tensors (weight, bias, lora_a, lora_b) each."""
+
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, glu, meta, *tensors):
+        T, k = top_k_index.shape
+        dtype = tensors[0].dtype
+        gu_p = _Proj(*tensors[:_FIELDS], *meta[0], dtype)
+        d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
+        E = gu_p.weight.shape[0]
+        flat = top_k_index.reshape(-1)
+        expert, perm = torch.sort(flat, stable=True)
+        offs = group_offsets(flat, E)
+        token = perm // k
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        w = top_k_weights.reshape(-1)[perm]
+        xs = x.to(dtype)[token]
+        gate_up = gu_p.forward(xs, offs, expert)
+        del xs
+        h = moe_glu(gate_up, w, glu)
+        y = d_p.forward(h, offs, expert, row_weight=w)
+        out = y[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+        ctx.save_for_backward(x, expert, token, inverse, offs, w, gate_up, *tensors)
+        ctx.glu, ctx.meta, ctx.k, ctx.w_dtype = glu, meta, k, top_k_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, expert, token, inverse, offs, w, gate_up, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dtype = tensors[0].dtype
+        gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
+        d_p = _Proj(*tensors[_FIELDS:], *ctx.meta[1], dtype)
+        E, T, k = gu_p.weight.shape[0], x.shape[0], ctx.k
+        gu_needs = (needs[5], needs[7], needs[8])
+        d_needs = (needs[9], needs[11], needs[12])
+
+        dy = dout.to(dtype)[token]  # [S, H]
+        dh = grouped_mm(dy, _as_kn(d_p.weight, d_p.transposed).transpose(1, 2), offs)
+        if d_p.a is not None:
+            dyb = grouped_mm(dy, d_p.b, offs).mul_(d_p.scaling)
+            dh = dh + grouped_mm(dyb, d_p.a, offs)
+        dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
+        del dh
+        # The down projection's parameter gradients (its dz, dh, is already computed above).
+        d_grads = [None] * _FIELDS
+        if d_needs[0]:
+            d_grads[0] = (grouped_mm_wgrad(h, dy, offs, E) if d_p.transposed else grouped_mm_wgrad(dy, h, offs, E))
+        if d_p.a is not None and d_needs[1]:
+            d_grads[2] = grouped_mm_wgrad(dyb, h, offs, E)
+        if d_p.a is not None and d_needs[2]:
+            d_grads[3] = grouped_mm_wgrad(dy, d_p.rank_input(h, offs), offs, E)
+        if d_p.bias is not None:
+            dw = dw + (dy.float() * d_p.bias[expert].float()).sum(-1)
+            if needs[10]:
+                d_grads[1] = _segment_sum(dy.float() * w.float()[:, None], expert, E)
+        del h, dy
+        # The gate/up projection.
+        xs = x.to(dtype)[token]
+        dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs)
+        gu_grads = [gu_w, None, gu_a, gu_b]
+        if gu_p.bias is not None and needs[6]:
+            gu_grads[1] = _segment_sum(dgu, expert, E)
+        del xs, dgu
+        dx = dxs[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype) if needs[0] else None
+        dtopk = dw[inverse].view(T, k).to(ctx.w_dtype) if needs[2] else None
+        grads = []
+        for g, t in zip(gu_grads + d_grads, tensors):
+            grads.append(None if g is None or t is None else g.to(t.dtype))
+        return (dx, None, dtopk, None, None, *grads)
+
+
+def _check(x, top_k_index, top_k_weights, gate_up: ExpertProjection, down: ExpertProjection, glu: ExpertGLU):
+    check_float("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    integer = top_k_index.dtype in (torch.int64, torch.int32)
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0] or not integer:
+        raise ValueError(f"top_k_index must be integer [T, k] with T = {x.shape[0]}, got {top_k_index.dtype} "
+                         f"{tuple(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"top_k_weights {tuple(top_k_weights.shape)} must match top_k_index "
+                         f"{tuple(top_k_index.shape)}")
+    E, H = gate_up.num_experts, x.shape[1]
+    for name, p, n_in, n_out in (("gate_up", gate_up, H, None), ("down", down, None, H)):
+        check_float(f"{name}.weight", p.weight)
+        if p.weight.dim() != 3 or p.num_experts != E:
+            raise ValueError(f"{name}.weight must be [E={E}, ., .], got {tuple(p.weight.shape)}")
+        if (n_in is not None and p.in_features != n_in) or (n_out is not None and p.out_features != n_out):
+            raise ValueError(f"{name}.weight {tuple(p.weight.shape)} does not fit hidden size {H} "
+                             f"(transposed={p.transposed})")
+        if (p.lora_a is None) != (p.lora_b is None):
+            raise ValueError(f"{name}: lora_a and lora_b come together")
+        if p.lora_a is not None and (p.lora_a.shape[:1] + p.lora_a.shape[2:] != (E, p.in_features)
+                                     or p.lora_b.shape[:2] != (E, p.out_features)
+                                     or p.lora_b.shape[2] != p.lora_a.shape[1]):
+            raise ValueError(f"{name}: lora_a {tuple(p.lora_a.shape)} / lora_b {tuple(p.lora_b.shape)} must be "
+                             f"[E, r, {p.in_features}] / [E, {p.out_features}, r]")
+        if p.bias is not None and p.bias.shape != (E, p.out_features):
+            raise ValueError(f"{name}.bias must be [{E}, {p.out_features}], got {tuple(p.bias.shape)}")
+    if gate_up.out_features != 2 * down.in_features:
+        raise ValueError(f"gate_up gives {gate_up.out_features} columns; down takes {down.in_features} (need 2×)")
+    check_same_device(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights, gate_up=gate_up.weight,
+                      down=down.weight)
+
+
+def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up: ExpertProjection, down: ExpertProjection, glu: ExpertGLU = ExpertGLU()) -> torch.Tensor:
+    """The routed expert MLP (module docstring), [T, H] in x's dtype; ``moe_reference.grouped_mlp``'s math.
+
+    Args:
+        x: [T, H] float32/float16/bfloat16 tokens.
+        top_k_index: [T, k] int64 expert of each (token, slot).
+        top_k_weights: [T, k] router weight of each (token, slot); differentiable.
+        gate_up: the first projection, out = 2I (gate and up as ``glu`` lays them out).
+        down: the second projection, in = I, out = H.
+        glu: the activation between them.
+
+    Raises:
+        ValueError / TypeError naming the argument for shapes, dtypes or devices that do not fit.
+    """
+    _check(x, top_k_index, top_k_weights, gate_up, down, glu)
+    tensors = (*gate_up[:4], *down[:4])
+    if not use_triton(x, *[t for t in tensors if t is not None]):
+        return reference.grouped_mlp(x, top_k_index, top_k_weights, gate_up, down, glu)
+    meta = ((gate_up.scaling, gate_up.transposed), (down.scaling, down.transposed))
+    return GroupedMLPFunction.apply(x, top_k_index, top_k_weights, glu, meta, *tensors)

@@ -1,0 +1,97 @@
+"""GGUF export of mixture-of-experts models (Qwen3-MoE as llama.cpp's ``qwen3moe``, Mixtral as
+``llama`` with expert tensors): the stacked experts split into llama.cpp's ``ffn_{gate,up,down}_exps``
+with PEFT's merge of LoRA on the experts applied, the router as ``ffn_gate_inp``, the expert counts
+in the metadata, and llama.cpp's logits matching the HF model's. Configs llama.cpp cannot represent
+are refused with the reason; MoE families without converter rules name themselves."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import gguf
+from fasttune.export.gguf import save_gguf
+from helpers.tiny_tokenizers import bpe_tokenizer
+
+try:
+    import llama_cpp
+except ImportError:  # CI installs it (NOTES §5)
+    llama_cpp = None
+
+DIMS = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2,
+            tie_word_embeddings=False)
+MOE = {
+    "qwen3_moe": ("qwen3moe", dict(num_experts=4, moe_intermediate_size=128, intermediate_size=512,
+                                   norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1)),
+    "mixtral": ("llama", dict(num_local_experts=4, intermediate_size=128, sliding_window=None)),
+}
+SEQ = 12
+
+
+def _model(family, **overrides):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **{**DIMS, **MOE[family][1], **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2).add_(1.0) if "norm" in name else p.normal_(0.0, 0.05)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return get_peft_model(model, lora).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def exported(request, tmp_path_factory):
+    family = request.param
+    model = _model(family)
+    path = save_gguf(model, bpe_tokenizer(), tmp_path_factory.mktemp(family), ["f16"], name=f"tiny-{family}")[0]
+    ids = torch.randint(3, 400, (1, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(ids).logits[0].float().numpy()
+    return family, model, path, ref, ids[0].tolist()
+
+
+def test_expert_tensors_and_metadata(exported):
+    family, model, path, _, _ = exported
+    reader = gguf.GGUFReader(path)
+    arch = MOE[family][0]
+    fields = {f.name: f.contents() for f in reader.fields.values()}
+    assert fields["general.architecture"] == arch
+    assert fields[f"{arch}.expert_count"] == 4 and fields[f"{arch}.expert_used_count"] == 2
+    if arch == "qwen3moe":
+        assert fields["qwen3moe.expert_feed_forward_length"] == 128
+    tensors = {t.name: t for t in reader.tensors}
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    gate_up = merged["model.layers.1.mlp.experts.gate_up_proj"].numpy()
+    for name, want in (("blk.1.ffn_gate_exps.weight", gate_up[:, :128]), ("blk.1.ffn_up_exps.weight", gate_up[:, 128:]),
+                       ("blk.1.ffn_down_exps.weight", merged["model.layers.1.mlp.experts.down_proj"].numpy()),
+                       ("blk.1.ffn_gate_inp.weight", merged["model.layers.1.mlp.gate.weight"].numpy())):
+        t = tensors[name]
+        got = np.asarray(t.data, dtype=np.float32).reshape(want.shape)
+        assert np.allclose(got, want, atol=2e-3, rtol=2e-3), name
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+@pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (NOTES §5)")
+def test_llama_cpp_logits_match(exported):
+    family, _, path, ref, ids = exported
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids)
+    got = np.asarray(llm.scores[:SEQ])
+    llm.close()
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err <= 1e-2, (family, err)
+
+
+def test_unrepresentable_configs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        save_gguf(_model("qwen3_moe", norm_topk_prob=False), bpe_tokenizer(), tmp_path / "a", ["f16"])
+    with pytest.raises(ValueError, match="dense layers"):
+        save_gguf(_model("qwen3_moe", mlp_only_layers=[1]), bpe_tokenizer(), tmp_path / "b", ["f16"])
+    cfg = AutoConfig.for_model("olmoe", **{**DIMS, "num_experts": 4, "intermediate_size": 128})
+    with pytest.raises(ValueError, match="'olmoe'.*not implemented"):
+        save_gguf(AutoModelForCausalLM.from_config(cfg), bpe_tokenizer(), tmp_path / "c", ["f16"])
