@@ -23,13 +23,15 @@ from .mlp import patch_mlp
 from .norm import patch_norms
 from .report import PatchReport
 from .residual import patch_residuals
+from .vision import patch_vision_tower
 
 logger = logging.getLogger("fasttune")
 
 STATE_ATTR = "_fasttune_report"
 
 # The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
-PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_lora, patch_residuals, install_checkpointing)
+PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_lora, patch_residuals, install_checkpointing,
+            patch_vision_tower)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:

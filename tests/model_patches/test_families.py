@@ -20,7 +20,8 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     assert set(classes) == set(CLASS_FIELDS), f"unresolved: {set(CLASS_FIELDS) - set(classes)}"
     config = AutoConfig.for_model(model_type)
     assert config.model_type == model_type
-    assert any(getattr(config, a, None) in ACTIVATIONS for a in spec.activation_attrs)
+    text = config.get_text_config()  # a vision-language model's MLP reads its language tower's config
+    assert any(getattr(text, a, None) in ACTIVATIONS for a in spec.activation_attrs)
     module = importlib.import_module(spec.modeling_module)
     assert classes["causal_lm_class"].__module__ == module.__name__
     for attr in (spec.final_softcap_attr, spec.logit_divisor_attr):
