@@ -31,8 +31,9 @@ _TEXT = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=200, num_hidden
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]}
 
 
-def tiny_vlm_config(model_type: str, **text_overrides):
-    """A tiny config of ``model_type`` with eager attention (exact parity)."""
+def tiny_vlm_config(model_type: str, token_ids: dict | None = None, **text_overrides):
+    """A tiny config of ``model_type`` with eager attention (exact parity); ``token_ids`` overrides the
+    special ids (``processor_token_ids`` of an in-process processor)."""
     from transformers import Gemma3Config, Qwen2_5_VLConfig, Qwen2VLConfig
 
     text = {**_TEXT, **text_overrides}
@@ -63,6 +64,8 @@ def tiny_vlm_config(model_type: str, **text_overrides):
             mm_tokens_per_image=4, image_token_index=IMAGE_ID, boi_token_index=BOI_ID, eoi_token_index=EOI_ID)
     else:
         raise ValueError(f"model_type must be one of {VLM_TYPES}, got {model_type!r}")
+    for name, value in (token_ids or {}).items():
+        setattr(config, name, value)
     config._attn_implementation = "eager"
     for sub in (config.get_text_config(), getattr(config, "vision_config", None)):
         if sub is not None:
@@ -70,12 +73,13 @@ def tiny_vlm_config(model_type: str, **text_overrides):
     return config
 
 
-def tiny_vlm(model_type: str = "qwen2_5_vl", dtype=torch.float32, seed: int = 0, **text_overrides):
+def tiny_vlm(model_type: str = "qwen2_5_vl", dtype=torch.float32, seed: int = 0, token_ids: dict | None = None,
+             **text_overrides):
     """A random ``*ForConditionalGeneration`` of ``model_type`` in ``dtype``; every RMSNorm weight random."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    config = tiny_vlm_config(model_type, **text_overrides)
+    config = tiny_vlm_config(model_type, token_ids, **text_overrides)
     model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -144,3 +148,58 @@ def vlm_batch(model_type: str, config, images=None, *, prompt_lens=(5, 3), answe
         batch["image_grid_thw"] = pixels["image_grid_thw"]
         batch["mm_token_type_ids"] = image_tokens
     return {k: v.to(device) for k, v in batch.items()}
+
+
+# Chat templates that render image parts as the processor's placeholder, with {% generation %} marks
+# (assistant_only_loss). Content is a string or a list of {"type": "text"/"image"} parts.
+_PARTS = ("{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+          "{% else %}{% set parts = message['content'] %}{% endif %}")
+
+
+def _template(start: str, end: str, assistant: str, image: str, bos: str = "") -> str:
+    return (bos + "{% for message in messages %}"
+            f"{{% set role = '{assistant}' if message['role'] == 'assistant' else message['role'] %}}"
+            f"{{{{ '{start}' + role + '\n' }}}}" + _PARTS +
+            "{% if message['role'] == 'assistant' %}{% generation %}"
+            f"{{% for p in parts %}}{{{{ p['text'] }}}}{{% endfor %}}{{{{ '{end}' }}}}{{% endgeneration %}}{{{{ '\n' }}}}"
+            f"{{% else %}}{{% for p in parts %}}{{% if p['type'] == 'image' %}}{{{{ '{image}' }}}}"
+            f"{{% else %}}{{{{ p['text'] }}}}{{% endif %}}{{% endfor %}}{{{{ '{end}\n' }}}}{{% endif %}}{{% endfor %}}"
+            f"{{% if add_generation_prompt %}}{{{{ '{start}{assistant}\n' }}}}{{% endif %}}")
+
+
+def vlm_processor(model_type: str):
+    """The family's processor, built in-process: a tiny tokenizer with the image tokens, the PIL image
+    processor, a chat template. Qwen2-VL/2.5-VL's processor also needs a video processor, which needs
+    torchvision: the test calling this is skipped without it."""
+    from .tiny_tokenizers import bpe_tokenizer, sp_tokenizer
+
+    if model_type == "gemma3":
+        from transformers import Gemma3Processor
+
+        tok = sp_tokenizer(boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>")
+        tok.pad_token = "<unk>"
+        template = _template("<start_of_turn>", "<end_of_turn>", "model", "<start_of_image>", "{{ bos_token }}")
+        return Gemma3Processor(image_processor=image_processor(model_type), tokenizer=tok, chat_template=template,
+                               image_seq_length=tiny_vlm_config(model_type).mm_tokens_per_image)
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok = bpe_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>"]}, replace_extra_special_tokens=False)
+    video = Qwen2VLVideoProcessor()
+    cls = Qwen2_5_VLProcessor if model_type == "qwen2_5_vl" else Qwen2VLProcessor
+    template = _template("<|im_start|>", "<|im_end|>", "assistant", "<|vision_start|><|image_pad|><|vision_end|>")
+    return cls(image_processor=image_processor(model_type), tokenizer=tok, video_processor=video,
+               chat_template=template)
+
+
+def processor_token_ids(model_type: str, processor) -> dict:
+    """The config's special ids as ``processor``'s tokenizer numbers them (for ``tiny_vlm(token_ids=...)``)."""
+    ids = processor.tokenizer.convert_tokens_to_ids
+    if model_type == "gemma3":
+        tok = processor.tokenizer
+        return {"image_token_id": tok.image_token_id, "boi_token_index": tok.boi_token_id,
+                "eoi_token_index": tok.eoi_token_id, "pad_token_id": tok.pad_token_id}
+    return {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
+            "vision_start_token_id": ids("<|vision_start|>"), "vision_end_token_id": ids("<|vision_end|>")}
