@@ -180,3 +180,90 @@ def test_greedy_generation_with_an_image_matches_stock(model_type, device):
     assert a.shape == (2, batch["input_ids"].shape[1] + 4)
     assert torch.equal(a, b)
     assert _fused_calls(report).get("rope") == LAYERS  # the prefill
+
+
+def _nf4_language_tower_(model):
+    """The language tower's attention/MLP linears → bitsandbytes NF4 ``Linear4bit`` (double quant, fp32
+    compute), quantised from the random weights when moved to the device; the vision tower stays dense."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.language_model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True)
+                q.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                             compress_statistics=True)
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
+                setattr(parent, name, q)
+    return model
+
+
+def test_qlora_language_tower_parity(device, monkeypatch):
+    """NF4 base weights under the adapters (widths multiples of 64: bitsandbytes' CPU path, NOTES §4):
+    the fused NF4 path vs PEFT + bitsandbytes, loss ≤ 1e-5 and gradients ≤ 1e-4 (test_qlora_parity.py's bounds)."""
+    pytest.importorskip("bitsandbytes")
+    sizes = dict(hidden_size=128, intermediate_size=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                          "mrope_section": [4, 6, 6]})
+    base = tiny_vlm("qwen2_5_vl", seed=5, vision={"out_hidden_size": 128}, **sizes)
+    _nf4_language_tower_(base)
+    stock = _lora(base.to(device), LANGUAGE_TARGETS)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig())
+    assert report.patched["lora_qkv"] == report.patched["lora_mlp"] == LAYERS, str(report)
+    spy = count_fused_lora(monkeypatch)
+    batch = vlm_batch("qwen2_5_vl", stock.config, seed=15, device=device)
+    loss_fast, loss_stock = _step(fast, batch), _step(stock, batch)
+    assert rel_err(loss_fast, loss_stock) <= 1e-5
+    assert_grads_close(fast, stock, 1e-4)
+    assert spy == {"lora_qkv": LAYERS, "lora_linear": LAYERS, "lora_mlp": LAYERS}, spy
+
+
+# Qwen2.5-VL-7B and Gemma-3-4B widths per layer (two layers each), real vision widths, real vocabularies.
+_REAL = {
+    "qwen2_5_vl": (dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                        num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                "mrope_section": [16, 24, 24]}),
+                   dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)),
+    "gemma3": (dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=128),
+               dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+def test_real_widths_bf16_lora_gpu(model_type, monkeypatch):
+    """bf16 weights (no autocast), real widths, rows of ~450 tokens with an image: fused vs stock PEFT,
+    both against an fp32 run of the same weights, loss and every adapter gradient within 2× stock's
+    error + 5e-3 (test_lora.py's rule); every fused op counted."""
+    text, vision = _REAL[model_type]
+    torch.manual_seed(0)
+    ref = _lora(tiny_vlm(model_type, seed=7, vision=vision, **text), LANGUAGE_TARGETS).cuda()
+    stock = copy.deepcopy(ref)
+    for name, p in stock.named_parameters():  # a bf16 model with PEFT's float32 adapters
+        if p.is_floating_point() and "lora_" not in name:
+            p.data = p.data.bfloat16()
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig())
+    assert dict(report.patched) == expected_counts(model_type, lora=True), str(report)
+    spy = count_fused_lora(monkeypatch)
+    batch = vlm_batch(model_type, ref.config, seed=16, prompt_lens=(200, 150), answer_lens=(240, 280),
+                      device="cuda")
+    batch32 = dict(batch)
+    batch["pixel_values"] = batch["pixel_values"].bfloat16()
+    ref_loss = _step(ref, batch32)
+    ref_grads = {n: p.grad.double() for n, p in ref.named_parameters() if p.requires_grad}
+    errs = {}
+    for label, model in (("stock", stock), ("fast", fast)):
+        loss = _step(model, batch)
+        errs[label] = {"loss": rel_err(loss, ref_loss)} | {
+            n: rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.requires_grad}
+    bad = {k: (errs["fast"][k], errs["stock"][k]) for k in errs["stock"]
+           if not errs["fast"][k] <= 2 * errs["stock"][k] + 5e-3}
+    assert not bad, dict(list(bad.items())[:5])
+    assert spy == {"lora_qkv": LAYERS, "lora_linear": LAYERS, "lora_mlp": LAYERS}, spy
+    assert _fused_calls(report)["cross_entropy"] == 1 and _fused_calls(report)["rope"] == LAYERS

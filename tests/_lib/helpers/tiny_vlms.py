@@ -31,9 +31,9 @@ _TEXT = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=200, num_hidden
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]}
 
 
-def tiny_vlm_config(model_type: str, token_ids: dict | None = None, **text_overrides):
+def tiny_vlm_config(model_type: str, token_ids: dict | None = None, vision: dict | None = None, **text_overrides):
     """A tiny config of ``model_type`` with eager attention (exact parity); ``token_ids`` overrides the
-    special ids (``processor_token_ids`` of an in-process processor)."""
+    special ids (``processor_token_ids`` of an in-process processor), ``vision`` the vision config's fields."""
     from transformers import Gemma3Config, Qwen2_5_VLConfig, Qwen2VLConfig
 
     text = {**_TEXT, **text_overrides}
@@ -66,6 +66,8 @@ def tiny_vlm_config(model_type: str, token_ids: dict | None = None, **text_overr
         raise ValueError(f"model_type must be one of {VLM_TYPES}, got {model_type!r}")
     for name, value in (token_ids or {}).items():
         setattr(config, name, value)
+    for name, value in (vision or {}).items():
+        setattr(config.vision_config, name, value)
     config._attn_implementation = "eager"
     for sub in (config.get_text_config(), getattr(config, "vision_config", None)):
         if sub is not None:
@@ -74,12 +76,12 @@ def tiny_vlm_config(model_type: str, token_ids: dict | None = None, **text_overr
 
 
 def tiny_vlm(model_type: str = "qwen2_5_vl", dtype=torch.float32, seed: int = 0, token_ids: dict | None = None,
-             **text_overrides):
+             vision: dict | None = None, **text_overrides):
     """A random ``*ForConditionalGeneration`` of ``model_type`` in ``dtype``; every RMSNorm weight random."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    config = tiny_vlm_config(model_type, token_ids, **text_overrides)
+    config = tiny_vlm_config(model_type, token_ids, vision, **text_overrides)
     model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
