@@ -105,9 +105,23 @@ def _assert_same_run(fast, stock, fast_rec, stock_rec):
             assert abs(la[key] - lb[key]) <= RTOL * abs(lb[key]) + 1e-7, (key, la[key], lb[key])
 
 
+@pytest.fixture(scope="module")
+def stock_runs(tmp_path_factory):
+    """model_type → (stock SFTTrainer, its GradRecorder): each run once for the module's tests."""
+    runs = {}
+
+    def get(model_type):
+        if model_type not in runs:
+            runs[model_type] = _run(trl.SFTTrainer, model_type, tmp_path_factory.mktemp("stock"), "stock")
+        return runs[model_type]
+
+    return get
+
+
+@pytest.mark.slow  # two TRL runs of two steps each: ~40 s on 2 CPU cores
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_fast_sft_trainer_on_images_matches_stock(model_type, tmp_path, monkeypatch):
-    stock, stock_rec = _run(trl.SFTTrainer, model_type, tmp_path, "stock")
+def test_fast_sft_trainer_on_images_matches_stock(model_type, tmp_path, monkeypatch, stock_runs):
+    stock, stock_rec = stock_runs(model_type)
     spy = count_fused_lora(monkeypatch)
     fast, fast_rec = _run(FastSFTTrainer, model_type, tmp_path, "fast", fast_config=FastConfig())
     _assert_same_run(fast, stock, fast_rec, stock_rec)
@@ -117,8 +131,9 @@ def test_fast_sft_trainer_on_images_matches_stock(model_type, tmp_path, monkeypa
     assert report.calls[("rope", "fused")] == 2 * 2
 
 
-def test_patch_callback_on_images_matches_stock(tmp_path, monkeypatch):
-    stock, stock_rec = _run(trl.SFTTrainer, "gemma3", tmp_path, "stock")
+@pytest.mark.slow
+def test_patch_callback_on_images_matches_stock(tmp_path, monkeypatch, stock_runs):
+    stock, stock_rec = stock_runs("gemma3")
     spy = count_fused_lora(monkeypatch)
     callback = FastPatchCallback()
     fast, fast_rec = _run(trl.SFTTrainer, "gemma3", tmp_path, "callback", callbacks=[callback])

@@ -144,6 +144,7 @@ def test_lora_language_tower_parity(model_type, device, monkeypatch):
     assert spy == {"lora_qkv": LAYERS, "lora_linear": LAYERS, "lora_mlp": LAYERS}, spy
 
 
+@pytest.mark.slow  # ~30 s on 2 CPU cores
 def test_lora_with_the_vision_tower_and_checkpointing(device, monkeypatch):
     """Adapters on both towers (the vision ones on PEFT's path), decoder layers and vision blocks
     recomputed: the same loss and gradients as stock without checkpointing."""
@@ -202,6 +203,7 @@ def _nf4_language_tower_(model):
     return model
 
 
+@pytest.mark.slow  # ~30 s on 2 CPU cores
 def test_qlora_language_tower_parity(device, monkeypatch):
     """NF4 base weights under the adapters (widths multiples of 64: bitsandbytes' CPU path, NOTES §4):
     the fused NF4 path vs PEFT + bitsandbytes, loss ≤ 1e-5 and gradients ≤ 1e-4 (test_qlora_parity.py's bounds)."""
