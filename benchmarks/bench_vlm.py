@@ -62,7 +62,8 @@ VISION_7B = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=1
                  fullatt_block_indexes=[7, 15, 23, 31])
 IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
 SMOKE_IDS = dict(image_token_id=1003, video_token_id=1004, vision_start_token_id=1001, vision_end_token_id=1002)
-SMOKE_TEXT = dict(TEXT_7B, vocab_size=1031, bos_token_id=1, eos_token_id=2, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+SMOKE_TEXT = dict(TEXT_7B, vocab_size=1031, bos_token_id=1, eos_token_id=2, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]})
 SMOKE_VISION = dict(VISION_7B, depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
@@ -115,11 +116,13 @@ def make_batch(config, args) -> dict:
 
 def layout(config, args) -> str:
     v = config.vision_config
-    image_tokens = (args.image_size // v.patch_size) ** 2 // v.spatial_merge_size ** 2
+    patches = (args.image_size // v.patch_size) ** 2
+    image_tokens = patches // v.spatial_merge_size ** 2
     seq = args.text_tokens + args.images * (image_tokens + 2)
-    return (f"batch {args.batch} x {seq} tokens per sample: {args.images} image(s) of {args.image_size}x{args.image_size}"
-            f" px ({image_tokens} image tokens + 2 markers each, {(args.image_size // v.patch_size) ** 2} patches in the "
-            f"vision tower) + {args.text_tokens} text tokens; {args.batch * seq} tokens per step")
+    side = f"{args.image_size}x{args.image_size}"
+    return (f"batch {args.batch} x {seq} tokens per sample: {args.images} image(s) of {side} px ({image_tokens} "
+            f"image tokens + 2 markers each, {patches} patches in the vision tower) + {args.text_tokens} text "
+            f"tokens; {args.batch * seq} tokens per step")
 
 
 # --- the stacks ----------------------------------------------------------------------------------

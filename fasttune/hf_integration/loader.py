@@ -137,7 +137,8 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
         processor = (AutoProcessor if vision else AutoTokenizer).from_pretrained(source, **hub, **remote)
         tokenizer = processor.tokenizer if vision else processor
     except (OSError, ValueError, TypeError, ImportError, AttributeError) as err:
-        raise ModelLoadError(f"no usable tokenizer in {name!r}: {_first_line(err)}", "no_tokenizer", name) from None
+        what = "processor (image processor + tokenizer)" if vision else "tokenizer"
+        raise ModelLoadError(f"no usable {what} in {name!r}: {_first_line(err)}", "no_tokenizer", name) from None
 
     kwargs = dict(dtype=dtype, **hub)
     if not _zero3_enabled():  # ZeRO-3 partitions at load time; transformers refuses a device_map there

@@ -78,7 +78,8 @@ def _args(tmp_path, name: str):
     return trl.SFTConfig(output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=2,
                          learning_rate=0.01, optim="sgd", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                          report_to=[], use_cpu=True, bf16=False, seed=0, gradient_checkpointing=False,
-                         disable_tqdm=True, dataloader_num_workers=0, assistant_only_loss=ASSISTANT_ONLY, max_length=None,
+                         disable_tqdm=True, dataloader_num_workers=0, assistant_only_loss=ASSISTANT_ONLY,
+                         max_length=None,
                          shuffle_dataset=False)
 
 

@@ -163,7 +163,8 @@ def _template(start: str, end: str, assistant: str, image: str, bos: str = "") -
             f"{{% set role = '{assistant}' if message['role'] == 'assistant' else message['role'] %}}"
             f"{{{{ '{start}' + role + '\n' }}}}" + _PARTS +
             "{% if message['role'] == 'assistant' %}{% generation %}"
-            f"{{% for p in parts %}}{{{{ p['text'] }}}}{{% endfor %}}{{{{ '{end}' }}}}{{% endgeneration %}}{{{{ '\n' }}}}"
+            f"{{% for p in parts %}}{{{{ p['text'] }}}}{{% endfor %}}{{{{ '{end}' }}}}{{% endgeneration %}}"
+            "{{ '\n' }}"
             f"{{% else %}}{{% for p in parts %}}{{% if p['type'] == 'image' %}}{{{{ '{image}' }}}}"
             f"{{% else %}}{{{{ p['text'] }}}}{{% endif %}}{{% endfor %}}{{{{ '{end}\n' }}}}{{% endif %}}{{% endfor %}}"
             f"{{% if add_generation_prompt %}}{{{{ '{start}{assistant}\n' }}}}{{% endif %}}")
