@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from fasttune.model_patches.families import ACTIVATIONS, FAMILIES, family_for, resolve_classes
 from helpers.tiny_models import FAMILY_TYPES
+from helpers.tiny_vlms import VLM_TYPES
 
 CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
 
@@ -34,9 +35,10 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
 
 
 def test_every_row_has_a_tiny_model_in_the_parity_tests():
-    # test_family_parity.py, test_lora.py and test_attention.py run over FAMILY_TYPES: a row missing
-    # there would skip its parity test.
-    assert sorted(FAMILY_TYPES) == sorted(FAMILIES)
+    # test_family_parity.py, test_lora.py and test_attention.py run over FAMILY_TYPES, and
+    # test_vision.py over the vision-language rows (VLM_TYPES): a row missing there would skip its parity test.
+    assert sorted(FAMILY_TYPES) == sorted(t for t, spec in FAMILIES.items() if spec.vision is None)
+    assert sorted(VLM_TYPES) == sorted(t for t, spec in FAMILIES.items() if spec.vision is not None)
 
 
 def test_lookup_is_exact():
