@@ -15,6 +15,7 @@
 #             MULTI_ARGS="--modes 1gpu,ddp,fsdp2,fsdp2-prefetch2,zero3" for every phase) MULTI_S=300
 #   context   bench_context.py --only a (fasttune and HF, batch 1 QLoRA)        CONTEXT_S=300
 #   gemm      bench_gemm.py: one 8B layer's matrix products, and regroupings     GEMM_S=60
+#   vlm       bench_vlm.py: Qwen2.5-VL-7B shape with images, hf / fasttune / unsloth (VLM_ARGS) VLM_S=560
 #   launch    accelerate launch examples/multi_gpu/train.py over every GPU with ddp.yaml,
 #             fsdp2.yaml and deepspeed_zero3.yaml: the embedded model (full fine-tuning) and
 #             a LoRA run of it saved to a folder (FastTrainer's on_train_begin setup)  LAUNCH_S=100 each
@@ -51,6 +52,8 @@ job() {  # job NAME GPU
         context) env $env timeout "${CONTEXT_S:-300}" python3 benchmarks/bench_context.py --only a \
                 --stacks fasttune,hf --deadline $(( ${CONTEXT_S:-300} - 20 )) --out "$out/context.json" ;;
         gemm) env $env timeout "${GEMM_S:-60}" python3 benchmarks/bench_gemm.py --out "$out/gemm.json" ;;
+        vlm) env $env timeout "${VLM_S:-560}" python3 benchmarks/bench_vlm.py --stack-timeout-s 240 \
+                --steps 3 --warmup 1 --out "$out/vlm.json" ${VLM_ARGS:-} ;;
         launch) launch_examples ;;
         *) echo "unknown job $name" >&2; return 2 ;;
     esac

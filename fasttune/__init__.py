@@ -33,7 +33,7 @@ _EXPORTS = {
     "save_gguf": "fasttune.export.gguf",
     "push_to_hub": "fasttune.export.hub",
     "load_model": "fasttune.hf_integration.loader",
-    "LoraSpec": "fasttune.hf_integration.loader",
+    "LoraSpec": "fasttune.hf_integration.lora_spec",
     "ModelLoadError": "fasttune.hf_integration.loader",
     "HubPushError": "fasttune.export.hub",
 }

@@ -89,13 +89,28 @@ def kernel_backends() -> dict[str, str]:
     return {name: where for name in KERNELS}
 
 
+# Vision-language rows: a tiny language tower (_TINY) and a tiny vision tower.
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # head_dim 16
+_TINY_VLM = {
+    "qwen2_5_vl": dict(text_config=dict(_TINY, rope_parameters=_MROPE), vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0])),
+    "qwen2_vl": dict(text_config=dict(_TINY, rope_parameters=_MROPE), vision_config=dict(
+        depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2)),
+    "gemma3": dict(text_config=dict(_TINY, query_pre_attn_scalar=16), mm_tokens_per_image=4, vision_config=dict(
+        model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, image_size=28, patch_size=7)),
+}
+
+
 def _tiny_model(model_type: str, lora: bool = False):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = AutoConfig.for_model(model_type, **_TINY, **_TINY_EXTRA.get(model_type, {}))
+    vlm = model_type in _TINY_VLM
+    kwargs = _TINY_VLM[model_type] if vlm else dict(_TINY, **_TINY_EXTRA.get(model_type, {}))
+    config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config)
     if lora:
         from peft import LoraConfig, get_peft_model
 

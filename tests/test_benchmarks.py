@@ -83,3 +83,17 @@ def test_bench_moe_step_smoke(tmp_path):
     assert abs(rows[0]["loss_step1"] - rows[1]["loss_step1"]) <= 1e-3, rows
     assert rows[1]["calls"] and all(k.endswith("/fused") for k in rows[1]["calls"]), rows
     assert stdout.count("RESULT hf 1x64:") == 1 and stdout.count("RESULT fasttune 1x64:") == 1, stdout
+
+
+@pytest.mark.slow
+def test_bench_vlm_smoke_survives_a_failing_stack(tmp_path):
+    """Qwen2.5-VL step script: hf and fasttune rows with the same first loss (LoRA B = 0), and a
+    stack that cannot run (Unsloth without its checkpoint dir, or not installed) reported, not fatal."""
+    out = tmp_path / "vlm.json"
+    stdout = _run(["benchmarks/bench_vlm.py", "--smoke", "--stacks", "hf,fasttune,unsloth", "--steps", "1",
+                   "--warmup", "1", "--ckpt-dir", "", "--out", str(out)], 600)
+    rows = {r["stack"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "tokens_per_s" in rows["hf"] and "tokens_per_s" in rows["fasttune"], rows
+    assert rows["hf"]["loss_step1"] == pytest.approx(rows["fasttune"]["loss_step1"], rel=1e-5)
+    assert "error" in rows["unsloth"] and "FAILED" in stdout
+    assert "image tokens" in stdout.splitlines()[0]

@@ -114,6 +114,14 @@ def _arch_for(cfg_dict: dict[str, Any]) -> str:
     spec = family_for(cfg_dict.get("model_type"))
     if spec is None:
         raise ValueError(f"GGUF export: model_type {cfg_dict.get('model_type')!r} is not one of {sorted(FAMILIES)}")
+    if spec.vision is not None:
+        raise ValueError(
+            f"GGUF export of the vision-language model {spec.model_type!r} is not supported yet: llama.cpp needs the "
+            f"language model (the tensors under `{spec.vision.language_model}`) as its {spec.gguf_arch!r} "
+            f"architecture and a separate mmproj GGUF of the vision tower and projector (projector type "
+            f"{spec.vision.mmproj_type!r}), and fasttune writes neither. Save the merged 16-bit model "
+            "(save_merged, with the processor) and convert it with llama.cpp's convert_hf_to_gguf.py, once as is "
+            "and once with --mmproj.")
     if spec.gguf_arch not in gguf_arch.ARCHS:
         raise ValueError(f"GGUF export of {cfg_dict.get('model_type')!r} (llama.cpp arch {spec.gguf_arch!r}) is not "
                          f"implemented; GGUF arches with converter rules: {sorted(gguf_arch.ARCHS)}")

@@ -43,16 +43,15 @@ import importlib.util
 import logging
 import numbers
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..config import FastConfig
+from .lora_spec import LoraSpec
 
 logger = logging.getLogger("fasttune")
 
-LORA_BIASES = ("none", "all", "lora_only")
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
                 "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
@@ -61,84 +60,6 @@ _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>", "<|
                    "<|reserved_special_token_0|>")
 _OWNED_KWARGS = ("dtype", "torch_dtype", "quantization_config", "load_in_4bit", "load_in_8bit")
 _ROPE_SCALED_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """The LoRA adapter ``load_model`` attaches (names as in Unsloth's ``get_peft_model``).
-
-    The fused LoRA kernels take adapters with ``dropout=0.0``, ``bias="none"`` and no DoRA (the
-    defaults); other settings work and keep PEFT's own path for those modules (the PatchReport
-    lists them).
-
-    Attributes:
-        r: adapter rank (> 0).
-        alpha: scaling numerator (PEFT's ``lora_alpha``): the update is ``alpha / r · B A``
-            (``alpha / sqrt(r)`` with ``use_rslora``).
-        dropout: dropout on the adapter input, in [0, 1) (PEFT's ``lora_dropout``).
-        target_modules: "all-linear" (every linear layer but the output head) or module names.
-        bias: which base biases train: "none", "all" or "lora_only".
-        use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
-        use_dora: weight-decomposed LoRA (DoRA); not fused.
-        modules_to_save: modules trained in full and saved with the adapter (e.g. "lm_head").
-        seed: seeds the adapter initialisation (the global RNG state is restored); None: current RNG.
-    """
-
-    r: int = 16
-    alpha: float = 16
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = "all-linear"
-    bias: str = "none"
-    use_rslora: bool = False
-    use_dora: bool = False
-    modules_to_save: tuple[str, ...] | None = None
-    seed: int | None = field(default=None, metadata={"help": "seed of the adapter initialisation"})
-
-    def __post_init__(self) -> None:
-        if isinstance(self.r, bool) or not isinstance(self.r, numbers.Integral) or self.r <= 0:
-            raise ValueError(f"LoraSpec.r must be a positive integer, got {self.r!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha > 0:
-            raise ValueError(f"LoraSpec.alpha must be a number > 0, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) or not 0 <= self.dropout < 1:
-            raise ValueError(f"LoraSpec.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.bias not in LORA_BIASES:
-            raise ValueError(f"LoraSpec.bias must be one of {LORA_BIASES}, got {self.bias!r}")
-        object.__setattr__(self, "target_modules", _names("target_modules", self.target_modules, allow_str=True))
-        if self.modules_to_save is not None:
-            object.__setattr__(self, "modules_to_save", _names("modules_to_save", self.modules_to_save))
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
-            raise ValueError(f"LoraSpec.seed must be an integer or None, got {self.seed!r}")
-
-    def unfused_reason(self) -> str | None:
-        """Why these adapters keep PEFT's path instead of the fused kernels, or None."""
-        reasons = [why for bad, why in ((self.dropout > 0, f"dropout={self.dropout}"),
-                                        (self.bias != "none", f"bias={self.bias!r}"),
-                                        (self.use_dora, "use_dora=True")) if bad]
-        return ", ".join(reasons) or None
-
-    def to_peft_config(self):
-        """The equivalent ``peft.LoraConfig`` (task type CAUSAL_LM)."""
-        from peft import LoraConfig
-
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return LoraConfig(r=int(self.r), lora_alpha=self.alpha, lora_dropout=float(self.dropout),
-                          target_modules=targets, bias=self.bias, use_rslora=self.use_rslora,
-                          use_dora=self.use_dora, task_type="CAUSAL_LM",
-                          modules_to_save=None if self.modules_to_save is None else list(self.modules_to_save))
-
-
-def _names(option: str, value, allow_str: bool = False):
-    if isinstance(value, str):
-        if allow_str and value:
-            return value
-        value = (value,)
-    try:
-        names = tuple(value)
-    except TypeError:
-        raise ValueError(f"LoraSpec.{option} must be a module name or a list of them, got {value!r}") from None
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"LoraSpec.{option} must be a non-empty list of module names, got {value!r}")
-    return names
 
 
 class ModelLoadError(OSError):
@@ -181,7 +102,10 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
 
     Returns:
         ``(model, tokenizer)``: a ``PeftModel`` (or the ``*ForCausalLM`` when ``lora`` is None),
-        patched, and its tokenizer with a pad token.
+        patched, and its tokenizer with a pad token. A vision-language model of the families table
+        (Qwen2-VL, Qwen2.5-VL, Gemma 3) comes as ``(model, processor)``: its ``*ForConditionalGeneration``
+        and its processor (``processor.tokenizer`` has the pad token); ``lora``'s tower switches
+        choose where the adapters go (``LoraSpec.finetune_vision_layers``).
 
     Raises:
         ModelLoadError: the name or folder does not lead to a model (``reason`` says why).
@@ -195,23 +119,26 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
     hub = dict(revision=revision, token=token)
     remote = dict(trust_remote_code=bool(model_kwargs.get("trust_remote_code", False)))
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(source, **hub, **remote)
     except (ValueError, KeyError) as err:
         raise ModelLoadError(f"transformers {_transformers_version()} cannot read the config of {name!r}: "
                              f"{_first_line(err)}", "unknown_architecture", name) from None
-    limit = context_limit(config)
+    vision = _is_vision_language(config)
+    limit = context_limit(config.get_text_config() if hasattr(config, "get_text_config") else config)
     if max_seq_length is not None and limit is not None and max_seq_length > limit:
         raise ValueError(f"max_seq_length={max_seq_length} exceeds the context of {name!r} ({limit} positions, "
                          "from config.max_position_embeddings / its RoPE scaling). fasttune does not apply RoPE "
                          "scaling silently: use a smaller max_seq_length, or set rope scaling in the config "
                          "yourself and save it.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub, **remote)
-    except (OSError, ValueError, TypeError) as err:
-        raise ModelLoadError(f"no usable tokenizer in {name!r}: {_first_line(err)}", "no_tokenizer", name) from None
+    try:  # a vision-language model gets its processor (image processor + tokenizer)
+        processor = (AutoProcessor if vision else AutoTokenizer).from_pretrained(source, **hub, **remote)
+        tokenizer = processor.tokenizer if vision else processor
+    except (OSError, ValueError, TypeError, ImportError, AttributeError) as err:
+        what = "processor (image processor + tokenizer)" if vision else "tokenizer"
+        raise ModelLoadError(f"no usable {what} in {name!r}: {_first_line(err)}", "no_tokenizer", name) from None
 
     kwargs = dict(dtype=dtype, **hub)
     if not _zero3_enabled():  # ZeRO-3 partitions at load time; transformers refuses a device_map there
@@ -224,7 +151,8 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
             bnb_4bit_compute_dtype=dtype)
     kwargs.update(model_kwargs)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(source, config=config, **kwargs)
     except ValueError as err:
         if "Unrecognized configuration class" not in str(err):
             raise
@@ -243,7 +171,15 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
     from ..model_patches.report import log_report
 
     log_report(patch_model(model, fast_config or FastConfig()))
-    return model, tokenizer
+    return model, processor
+
+
+def _is_vision_language(config) -> bool:
+    """A vision-language model of the families table (loaded as ``*ForConditionalGeneration`` with its processor)."""
+    from ..model_patches.families import family_for
+
+    spec = family_for(getattr(config, "model_type", None))
+    return spec is not None and spec.vision is not None
 
 
 # --- options -------------------------------------------------------------------------------------
@@ -479,7 +415,7 @@ def attach_lora(model, lora):
     model.requires_grad_(False)
     model.enable_input_require_grads()
     spec = lora if isinstance(lora, LoraSpec) else None
-    peft_config = spec.to_peft_config() if spec is not None else lora
+    peft_config = spec.to_peft_config(model) if spec is not None else lora
     if spec is not None and spec.unfused_reason():
         logger.info("fasttune: LoRA with %s keeps PEFT's path (the fused kernels need dropout 0, bias 'none', "
                     "no DoRA)", spec.unfused_reason())

@@ -115,7 +115,8 @@ class FastAttentionForward(PatchedForward):
 
                 self.count()
                 return apply_rope(q, k, cos, sin)
-            self.count(DECODE_STEP if decode else "q/k/cos/sin outside the kernel's domain (dtype, rotary width)")
+            self.count(DECODE_STEP if decode
+                       else "q/k/cos/sin outside the kernel's domain (dtype, shape, rotary width)")
         if self.stock_rope is None:  # patched with the kernel but this call does not fit it
             from ..kernels.reference import apply_rope as reference_rope
 
@@ -142,7 +143,9 @@ class FastAttentionForward(PatchedForward):
                 self.count(DECODE_STEP)
             if cache is not None:
                 kwargs = {**kwargs, ("cache" if self.cache_kwargs else "past_key_values"): cache}
-            return self.stock(hidden_states, position_embeddings, attention_mask, **kwargs)
+            # By name: Qwen2-VL's attention takes (hidden_states, attention_mask, position_ids, ...).
+            return self.stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                              **kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
 
@@ -176,10 +179,13 @@ class FastAttentionForward(PatchedForward):
 
 
 def _rope_fits(q, k, cos, sin) -> bool:
-    """The kernel's domain: float16/bfloat16/float32 heads, rotary width even and ≤ head_dim."""
+    """The kernel's domain: float16/bfloat16/float32 heads, rotary width even and ≤ head_dim, and one
+    cos/sin row per token ([B or 1, S, Dr]; a 3-D RoPE table not yet folded into one, [3, B, S, Dr], is not)."""
     dr = cos.shape[-1]
-    return (q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and cos.dtype in KERNEL_DTYPES
-            and sin.dtype == cos.dtype and dr % 2 == 0 and 0 < dr <= q.shape[-1] and q.numel() > 0)
+    per_token = cos.dim() == 3 and cos.shape[0] in (1, q.shape[0]) and cos.shape[1] == q.shape[2]
+    return (q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and cos.dtype in KERNEL_DTYPES and per_token
+            and sin.dtype == cos.dtype and sin.shape == cos.shape and dr % 2 == 0 and 0 < dr <= q.shape[-1]
+            and q.numel() > 0)
 
 
 def float_dtype(module: nn.Module) -> torch.dtype | None:

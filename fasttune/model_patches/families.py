@@ -28,6 +28,26 @@ ACTIVATIONS = {
 
 
 @dataclass(frozen=True)
+class VisionLayout:
+    """Where a vision-language model keeps its towers: attribute paths from its ``*ForConditionalGeneration``.
+
+    The language tower's modules are found by their exact classes like any family's; these paths
+    scope what concerns one tower only (LoRA targets, the vision tower's checkpointing, export).
+
+    Attributes:
+        language_model: the language tower (decoder layers, final norm).
+        vision_tower: the image encoder.
+        projector: the image-to-text projector (inside the vision tower for Qwen2-VL/2.5-VL).
+        mmproj_type: llama.cpp's projector type for a GGUF ``mmproj`` file, None where it has none.
+    """
+
+    language_model: str
+    vision_tower: str
+    projector: str
+    mmproj_type: str | None = None
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What fasttune knows about one model family (one exact ``model_type``).
 
@@ -65,6 +85,8 @@ class FamilySpec:
         experts_bias: the expert projections carry biases ``gate_up_proj_bias``/``down_proj_bias``.
         rope_half_cos: the rotary tables hold half the rotary width (gpt-oss); the kernel gets them
             repeated, [cos | cos], which is the same rotation.
+        vision: the towers of a vision-language model (``causal_lm_class`` is then its
+            ``*ForConditionalGeneration``); None for a text-only family.
     """
 
     model_type: str
@@ -93,6 +115,7 @@ class FamilySpec:
     experts_transposed: bool = False
     experts_bias: bool = False
     rope_half_cos: bool = False
+    vision: VisionLayout | None = None
 
 
 def _row(base: FamilySpec, model_type: str, prefix: str, **changes) -> FamilySpec:
@@ -168,11 +191,23 @@ GPT_OSS = _row(LLAMA, "gpt_oss", "GptOss", mlp_class=None, norm_casting="gemma",
                attention_kwargs=(("sliding_window", "module:sliding_window"), ("s_aux", "module:sinks")),
                pre_norm_layer=False, moe_block_class="GptOssMLP", experts_class="GptOssExperts",
                experts_glu="clamped_swiglu", experts_transposed=True, experts_bias=True, gguf_arch="gpt-oss")
+# Vision-language models: the language tower on its text family's path (Qwen2-VL's 3-D RoPE sections
+# are folded into cos/sin by the stock rotary module, so the attention rotates as Qwen2's does); the
+# stock ForConditionalGeneration applies no final soft-cap (Gemma 3's text config may carry one).
+_QWEN_VL = dict(mlp_class="Qwen2MLP", gguf_arch="qwen2vl")
+QWEN2_VL = _row(QWEN2, "qwen2_vl", "Qwen2VL", causal_lm_class="Qwen2VLForConditionalGeneration", **_QWEN_VL,
+                vision=VisionLayout("model.language_model", "model.visual", "model.visual.merger", "qwen2vl_merger"))
+QWEN2_5_VL = _row(QWEN2, "qwen2_5_vl", "Qwen2_5_VL", causal_lm_class="Qwen2_5_VLForConditionalGeneration",
+                  **_QWEN_VL, vision=VisionLayout("model.language_model", "model.visual", "model.visual.merger",
+                                                  "qwen2.5vl_merger"))
+GEMMA3 = _row(GEMMA3_TEXT, "gemma3", "Gemma3", causal_lm_class="Gemma3ForConditionalGeneration",
+              final_softcap_attr=None, vision=VisionLayout("model.language_model", "model.vision_tower",
+                                                           "model.multi_modal_projector", "gemma3"))
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
-                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS)
+                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 
 

@@ -52,12 +52,18 @@ class HeadExtras:
 
     softcap: float | None = None
     logit_scale: float | None = None
+    # TRL's fused head reads the soft-cap off the text config, also where the model's own forward
+    # applies none (Gemma3ForConditionalGeneration): its fused_lm_head calls get TRL's numbers.
+    trl_softcap: float | None = None
 
     @classmethod
     def from_config(cls, spec: FamilySpec, config) -> "HeadExtras":
         softcap = getattr(config, spec.final_softcap_attr, None) if spec.final_softcap_attr else None
         divisor = getattr(config, spec.logit_divisor_attr, None) if spec.logit_divisor_attr else None
-        return cls(softcap=softcap, logit_scale=None if divisor in (None, 1, 1.0) else 1.0 / divisor)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        trl_softcap = getattr(text, "final_logit_softcapping", None) if spec.vision is not None else softcap
+        return cls(softcap=softcap, logit_scale=None if divisor in (None, 1, 1.0) else 1.0 / divisor,
+                   trl_softcap=trl_softcap)
 
 
 class FusedLossCausalLMForward(PatchedForward):
@@ -266,7 +272,7 @@ class FusedLossCausalLMForward(PatchedForward):
         h, y, weight, shape = self._flat_inputs(hidden, labels, shift_labels, weight, fp32=settings.fp32_head)
         if bias is not None:
             bias = bias.to(weight.dtype)
-        fields = fused_lm_head_fields(h, y, weight, bias, settings, softcap=self.extras.softcap,
+        fields = fused_lm_head_fields(h, y, weight, bias, settings, softcap=self.extras.trl_softcap,
                                       logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib)
         # TRL's per-token fields cover the seq-1 predicted positions (the padded last one is dropped).
         keep = slice(None, -1) if shift_labels is None else slice(None)

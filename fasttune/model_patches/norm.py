@@ -124,8 +124,10 @@ def patch_norms(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCo
         return
     for name, module in base.named_modules():
         if type(module) is not norm_cls:
-            # A norm-named leaf of another class: a user's or another library's replacement.
-            if name.rsplit(".", 1)[-1].endswith("norm") and next(module.children(), None) is None:
+            # A norm-named leaf of another class: a user's or another library's replacement (a VLM's
+            # vision tower has LayerNorms of its own: the "vision_tower" entry covers it, vision.py).
+            in_tower = spec.vision is not None and name.startswith(spec.vision.vision_tower + ".")
+            if name.rsplit(".", 1)[-1].endswith("norm") and next(module.children(), None) is None and not in_tower:
                 report.fallback(OP, name, f"is {type(module).__name__}, not {spec.norm_class}")
             continue
         reason = check_norm(module, spec)

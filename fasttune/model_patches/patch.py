@@ -24,6 +24,7 @@ from .moe import patch_moe
 from .norm import patch_norms
 from .report import PatchReport
 from .residual import patch_residuals
+from .vision import patch_vision_tower
 
 logger = logging.getLogger("fasttune")
 
@@ -31,7 +32,7 @@ STATE_ATTR = "_fasttune_report"
 
 # The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
 PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora, patch_residuals,
-            install_checkpointing)
+            install_checkpointing, patch_vision_tower)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:

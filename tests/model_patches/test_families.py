@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from fasttune.model_patches.families import ACTIVATIONS, FAMILIES, family_for, resolve_classes
 from helpers.tiny_models import FAMILY_TYPES, MOE_TYPES
+from helpers.tiny_vlms import VLM_TYPES
 
 CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
 
@@ -25,7 +26,8 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     assert spec.experts_glu in ("act", "clamped_swiglu")
     config = AutoConfig.for_model(model_type)
     assert config.model_type == model_type
-    assert any(getattr(config, a, None) in ACTIVATIONS for a in spec.activation_attrs)
+    text = config.get_text_config()  # a vision-language model's MLP reads its language tower's config
+    assert any(getattr(text, a, None) in ACTIVATIONS for a in spec.activation_attrs)
     module = importlib.import_module(spec.modeling_module)
     assert classes["causal_lm_class"].__module__ == module.__name__
     for attr in (spec.final_softcap_attr, spec.logit_divisor_attr):
@@ -39,8 +41,9 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
 
 def test_every_row_has_a_tiny_model_in_the_parity_tests():
     # test_family_parity.py, test_lora.py and test_attention.py run over FAMILY_TYPES, test_moe.py over
-    # MOE_TYPES: a row missing there would skip its parity test.
-    assert sorted(FAMILY_TYPES + MOE_TYPES) == sorted(FAMILIES)
+    # MOE_TYPES, test_vision.py over VLM_TYPES: a row missing there would skip its parity test.
+    assert sorted(FAMILY_TYPES + MOE_TYPES) == sorted(t for t, spec in FAMILIES.items() if spec.vision is None)
+    assert sorted(VLM_TYPES) == sorted(t for t, spec in FAMILIES.items() if spec.vision is not None)
 
 
 def test_lookup_is_exact():

@@ -112,12 +112,14 @@ def _merges_from_vocab(vocab: dict[str, int], mergeable: set[str]) -> list[tuple
     return [(m[3], m[4]) for m in merges]
 
 
-def sp_tokenizer(vocab_size: int = 400, add_prefix_space: bool = False):
+def sp_tokenizer(vocab_size: int = 400, add_prefix_space: bool = False, **named_tokens: str):
     """A SentencePiece-style ``LlamaTokenizer`` (BPE, byte fallback, ``▁`` spaces) with a Gemma-style
     chat template. ``<start_of_turn>``/``<end_of_turn>`` are special tokens.
 
     ``add_prefix_space=False`` (default) behaves like Gemma's tokenizer (no dummy ``▁`` prefix);
-    True like Llama 2's.
+    True like Llama 2's. ``named_tokens`` (e.g. ``image_token="<image_soft_token>"``) become added
+    special tokens the tokenizer names as attributes (``tok.image_token``, ``tok.image_token_id``),
+    as a multimodal model's processor expects.
     """
     from transformers import LlamaTokenizer
 
@@ -126,7 +128,7 @@ def sp_tokenizer(vocab_size: int = 400, add_prefix_space: bool = False):
     mergeable = {p for p, _, kind in pieces if kind == 0 and p not in ("<start_of_turn>", "<end_of_turn>")}
     merges = _merges_from_vocab(vocab, mergeable)
     tok = LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                         add_prefix_space=add_prefix_space)
-    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+                         add_prefix_space=add_prefix_space, **named_tokens)
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>", *named_tokens.values()]})
     tok.chat_template = GEMMA_TEMPLATE
     return tok

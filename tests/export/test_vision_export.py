@@ -1,0 +1,84 @@
+"""Export of vision-language models: the adapter and the merged 16-bit model reload in stock
+transformers as the same class (with the processor), and GGUF is refused, naming what is missing.
+
+LoRA on both towers (``finetune_vision_layers=True``) with random B, so the merge changes vision and
+language weights alike. Merged in fp32 and saved in float32: logits of the reloaded model match the
+PEFT model's to 1e-5 (the merge is W + s·B·A in another summation order than PEFT's forward).
+Gemma 3 runs with its in-process processor: the reloaded processor tokenizes and processes the
+image, and the reloaded model computes the same logits from that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from fasttune import LoraSpec, save_adapter, save_gguf, save_merged
+from fasttune.hf_integration.loader import attach_lora
+from helpers.compare import rel_err
+from helpers.tiny_vlms import processor_token_ids, random_images, tiny_vlm, vlm_batch, vlm_processor
+
+_MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A fox."}]}]
+
+
+def _trained(model_type: str, processor=None, save_base_to=None):
+    token_ids = processor_token_ids(model_type, processor) if processor is not None else None
+    base = tiny_vlm(model_type, seed=2, token_ids=token_ids)
+    if save_base_to is not None:  # the base as it was loaded, for the adapter
+        base.save_pretrained(save_base_to)
+    model = attach_lora(base, LoraSpec(r=4, seed=0, finetune_vision_layers=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def _logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def test_qwen2_5_vl_adapter_and_merged_reload_as_the_same_class(tmp_path):
+    model = _trained("qwen2_5_vl", save_base_to=tmp_path / "base")
+    batch = vlm_batch("qwen2_5_vl", model.config, seed=3)
+    batch.pop("labels")
+    want = _logits(model, batch)
+
+    save_merged(model, tmp_path / "merged", dtype="float32")
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    assert type(merged).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert rel_err(_logits(merged, batch), want) <= 1e-5
+
+    save_adapter(model, tmp_path / "adapter")
+    base = AutoModelForImageTextToText.from_pretrained(tmp_path / "base")
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert rel_err(_logits(reloaded, batch), want) <= 1e-5
+
+
+def test_gemma3_merged_reloads_with_its_processor(tmp_path):
+    processor = vlm_processor("gemma3")
+    model = _trained("gemma3", processor)
+    save_merged(model, tmp_path / "merged", processor, dtype="bfloat16")
+    loaded_processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    assert type(loaded_processor).__name__ == "Gemma3Processor"
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert type(merged).__name__ == "Gemma3ForConditionalGeneration"
+    assert next(iter(merged.parameters())).dtype == torch.float32
+    batch = loaded_processor.apply_chat_template([_MESSAGES], images=[random_images(1, seed=7)], tokenize=True,
+                                                 return_dict=True, return_tensors="pt")
+    assert (batch["input_ids"] == merged.config.image_token_id).sum() == merged.config.mm_tokens_per_image
+    got, want = _logits(merged, batch), _logits(model, batch)
+    assert rel_err(got, want) <= 1e-2  # saved in bf16: one bf16 rounding of every weight
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+def test_gguf_is_refused_naming_what_is_missing(model_type, tmp_path):
+    model = _trained(model_type)
+    with pytest.raises(ValueError, match="mmproj") as err:
+        save_gguf(model, object(), tmp_path / "gguf")
+    assert "language_model" in str(err.value) and "convert_hf_to_gguf" in str(err.value)
+    assert not any((tmp_path / "gguf").glob("*.gguf")) if (tmp_path / "gguf").exists() else True
