@@ -21,7 +21,7 @@ from peft import LoraConfig, get_peft_model
 
 from fasttune import FastConfig, patch_model, unpatch_model
 from fasttune.model_patches.report import FUSED
-from helpers.compare import assert_grads_close, rel_err
+from helpers.compare import assert_grads_close, grad_errors, rel_err
 from helpers.tiny_models import MOE_TYPES, make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -204,15 +204,19 @@ def test_qlora_experts_stay_dense_and_take_the_grouped_path(device, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qwen3_30b_a3b_layers_at_real_size(dtype):
     """Two Qwen3-30B-A3B layers (128 experts, top-8, 2048 → 768), LoRA r=16 on attention and experts.
+
     fp32 (the Triton grouped GEMM; torch's takes bf16 only): the stock loss within 1e-5 and every
-    gradient within 1e-4. bf16 (torch's grouped GEMM): loss within 1e-2 of stock bf16 and every
-    gradient within 5e-2 (a few near-tie top-8 choices may flip between two bf16 roundings of the norm)."""
+    gradient within 1e-4. bf16 (torch's grouped GEMM): fasttune's bf16 run is at least as close to an
+    fp32 stock run as stock's bf16 run is — loss and every gradient, within 2× stock's distance plus
+    1e-2 relative. (bf16 against bf16 directly is no criterion: the two round the router's input
+    differently, and near-tie top-8 choices then flip between them, as they do against fp32.)"""
     shape = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                  mlp_only_layers=[], output_router_logits=True)
     config = LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                         target_parameters=EXPERT_PARAMS, init_lora_weights=False)
-    stock = get_peft_model(tiny_model("qwen3_moe", seed=9, **shape).to("cuda", dtype), config)
+    base = get_peft_model(tiny_model("qwen3_moe", seed=9, **shape), config)
+    stock = copy.deepcopy(base).to("cuda", dtype)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     assert report.patched["lora_moe"] == 2, str(report)
@@ -220,6 +224,14 @@ def test_qwen3_30b_a3b_layers_at_real_size(dtype):
     stock.train(), fast.train()
     out_fast, out_stock = _step(fast, batch), _step(stock, batch)
     assert report.calls["lora_moe", FUSED] == 2
-    loss_tol, grad_tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 5e-2)
-    assert rel_err(out_fast.loss, out_stock.loss) <= loss_tol
-    assert_grads_close(fast, stock, grad_tol)
+    if dtype == torch.float32:
+        assert rel_err(out_fast.loss, out_stock.loss) <= 1e-5
+        assert_grads_close(fast, stock, 1e-4)
+        return
+    ref = base.to("cuda", torch.float32)
+    ref.train()
+    out_ref = _step(ref, batch)
+    assert rel_err(out_fast.loss, out_ref.loss) <= 2 * rel_err(out_stock.loss, out_ref.loss) + 1e-2
+    stock_err, fast_err = grad_errors(stock, ref), grad_errors(fast, ref)
+    bad = {n: (fast_err[n], stock_err[n]) for n in stock_err if not fast_err[n] <= 2 * stock_err[n] + 1e-2}
+    assert not bad, f"{len(bad)} gradients farther from fp32 than 2× stock bf16 + 1e-2: {dict(list(bad.items())[:5])}"
