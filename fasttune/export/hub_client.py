@@ -44,8 +44,8 @@ class RetryPolicy:
     """Deadlines and back-off of Hub calls.
 
     ``attempts`` tries per call, sleeping base_delay·2^k (≤ max_delay; a 429's Retry-After when longer,
-    never less than ``rate_limit_floor``) in between, and no new attempt once ``total_timeout``
-    seconds have passed. Each request fails after ``connect_timeout`` s without a connection or
+    never less than ``rate_limit_floor``) in between, and no new attempt that would end (taking as
+    long as the last one) after ``total_timeout`` seconds. Each request fails after ``connect_timeout`` s without a connection or
     ``call_timeout`` s without progress (a stalled upload, a server that never answers).
     """
 
@@ -63,6 +63,10 @@ class RetryPolicy:
         for name in ("call_timeout", "connect_timeout", "total_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def room_for(self, elapsed: float, delay: float, last_attempt: float) -> bool:
+        """Another attempt, as long as the last one, still ends within ``total_timeout``."""
+        return elapsed + delay + last_attempt <= self.total_timeout
 
     def delay(self, attempt: int, exc: BaseException) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based) that raised ``exc``."""
@@ -152,13 +156,14 @@ class HubClient:
         tries = attempts or p.attempts
         start = time.monotonic()
         for attempt in range(1, tries + 1):
+            began = time.monotonic()
             try:
                 return fn()
             except Exception as e:  # noqa: BLE001 - classified below, re-raised scrubbed
                 if not transient(e) or attempt == tries:
                     raise self.failure(what, e, attempt) from None
                 delay = p.delay(attempt, e)
-                if time.monotonic() - start + delay > p.total_timeout:
+                if not p.room_for(time.monotonic() - start, delay, time.monotonic() - began):
                     raise self.failure(what, e, attempt, f" within {p.total_timeout:g} s") from None
                 logger.warning("%s: %s; retry %d/%d in %.1f s", what, self.scrub(f"{type(e).__name__}: {e}")[:300],
                                attempt, tries - 1, delay)

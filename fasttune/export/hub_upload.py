@@ -66,6 +66,7 @@ def _commit(hub: HubClient, repo_id: str, ops: list, files: list[_LocalFile], me
     what = f"commit to {repo_id}"
     start = time.monotonic()
     for attempt in range(1, p.attempts + 1):
+        began = time.monotonic()
         try:
             # Fresh operation objects per attempt: huggingface_hub marks committed ones as used.
             hub.api.create_commit(repo_id, operations=[copy.copy(op) for op in ops], commit_message=message,
@@ -84,7 +85,7 @@ def _commit(hub: HubClient, repo_id: str, ops: list, files: list[_LocalFile], me
             if attempt == p.attempts:
                 raise hub.failure(what, e, attempt) from None
             delay = 0.0 if moved else p.delay(attempt, e)
-            if time.monotonic() - start + delay > p.total_timeout:
+            if not p.room_for(time.monotonic() - start, delay, time.monotonic() - began):
                 raise hub.failure(what, e, attempt, f" within {p.total_timeout:g} s") from None
             logger.warning("%s: %s; retry %d/%d in %.1f s", what, hub.scrub(f"{type(e).__name__}: {e}")[:300],
                            attempt, p.attempts - 1, delay)

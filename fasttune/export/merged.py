@@ -106,7 +106,10 @@ def _resolve_base(base: str | Path) -> Path:
         raise FileNotFoundError(f"base {str(base)!r} is neither a local checkpoint folder nor a Hub id")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(base), allow_patterns=["*.safetensors", "*.json"]))
+    from .hub_http import hub_timeouts
+
+    with hub_timeouts():  # a stalled download fails (and is retried by huggingface_hub) instead of hanging
+        return Path(snapshot_download(str(base), allow_patterns=["*.safetensors", "*.json"]))
 
 
 def _embedding_keys(inner: nn.Module) -> tuple[str | None, str | None]:

@@ -70,3 +70,18 @@ def test_policy_rejects_nonsense():
         RetryPolicy(attempts=0)
     with pytest.raises(ValueError, match="call_timeout"):
         RetryPolicy(call_timeout=0)
+
+
+def test_an_attempt_that_would_end_past_the_budget_is_not_started(tmp_path, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(hub_client.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hub_client.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    hub = HubClient(TOKEN, RetryPolicy(attempts=5, base_delay=1.0, total_timeout=120.0), tmp_path)
+
+    def stalled():  # huggingface_hub's own retries of a stalled preupload: 6 x 15 s + 23 s of back-off
+        clock[0] += 113.0
+        raise TimeoutError("timed out")
+
+    with pytest.raises(HubPushError, match="within 120 s"):
+        hub.call("upload to me/x", stalled)
+    assert clock[0] == 113.0  # not 227 s: a second attempt could not end in time
