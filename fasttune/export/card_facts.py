@@ -74,7 +74,8 @@ def training_rows(args) -> list[tuple[str, str]]:
             ("effective batch size", per_device * accum * world if per_device else None),
             ("scheduler", getattr(getattr(args, "lr_scheduler_type", None), "value",
                                   getattr(args, "lr_scheduler_type", None))),
-            ("warmup steps", getattr(args, "warmup_steps", None)), ("weight decay", getattr(args, "weight_decay", None)),
+            ("warmup steps", getattr(args, "warmup_steps", None)),
+            ("weight decay", getattr(args, "weight_decay", None)),
             ("optimizer", getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))),
             ("max grad norm", getattr(args, "max_grad_norm", None)), ("max length", getattr(args, "max_length", None)),
             ("bf16", getattr(args, "bf16", None)), ("seed", getattr(args, "seed", None))]
@@ -103,5 +104,6 @@ def facts_from_trainer(trainer, base_model_id: str | None, base_note: str | None
     return CardFacts(base_model_id=base_model_id, base_note=base_note, license=license or BaseLicense(),
                      datasets=[dataset] if dataset and "/" in dataset else [],
                      dataset_note=None if dataset else "not recorded by the trainer",
-                     method=f"{method}, {type(trainer).__name__}", hyperparameters=lora_rows(peft) + training_rows(args),
+                     method=f"{method}, {type(trainer).__name__}",
+                     hyperparameters=lora_rows(peft) + training_rows(args),
                      evaluation=eval_from_history(history), stats=dict(stats or {}))

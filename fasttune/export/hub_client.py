@@ -45,8 +45,9 @@ class RetryPolicy:
 
     ``attempts`` tries per call, sleeping base_delay·2^k (≤ max_delay; a 429's Retry-After when longer,
     never less than ``rate_limit_floor``) in between, and no new attempt that would end (taking as
-    long as the last one) after ``total_timeout`` seconds. Each request fails after ``connect_timeout`` s without a connection or
-    ``call_timeout`` s without progress (a stalled upload, a server that never answers).
+    long as the last one) after ``total_timeout`` seconds. Each request fails after
+    ``connect_timeout`` s without a connection or ``call_timeout`` s without progress (a stalled
+    upload, a server that never answers).
     """
 
     attempts: int = 5

@@ -98,8 +98,8 @@ _ENV = jinja2.Environment(loader=jinja2.PackageLoader("fasttune.hub_cards", "tem
                           trim_blocks=True, lstrip_blocks=True, autoescape=False)
 _ENV.filters["yaml"] = _yaml
 _ENV.filters["num"] = _fmt_number
-_ENV.filters["compact"] = lambda v: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict, bool)) or v is None \
-    else str(v)
+_ENV.filters["compact"] = lambda v: (json.dumps(v, ensure_ascii=False)
+                                     if isinstance(v, (list, dict, bool)) or v is None else str(v))
 _ENV.filters["cell"] = lambda v: " ".join(str(v).split()).replace("|", "\\|")  # one markdown table cell
 
 

@@ -46,7 +46,8 @@ def test_export_artifacts_writes_each_folder_and_drops_stale_gguf(tmp_path):
 def test_gguf_types_of_the_same_weights_accumulate(tmp_path):
     tok = bpe_tokenizer()
     torch.manual_seed(0)
-    model = get_peft_model(tiny_model("llama", vocab_size=1000), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model = get_peft_model(tiny_model("llama", vocab_size=1000),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
 
     def export(quants, source):
         export_artifacts(model, tok, tmp_path, ("gguf",), name="run", gguf_quantizations=quants, source=source)

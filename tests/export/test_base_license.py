@@ -1,6 +1,5 @@
 """The base model's license: from its card (local folder, Hub cache, the Hub), or plainly unknown."""
 
-from pathlib import Path
 
 import pytest
 

@@ -221,7 +221,7 @@ def _scenario_full(out: Path) -> dict:
                 logs = {**logs, "tokens_per_second": 4321.0, "peak_memory_gib": 0.25}
             return super().log(logs, *args, **kwargs)
 
-    from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
+    from huggingface_hub import CommitOperationAdd, ModelCard
 
     api = HfApi()  # the base model's card, where the license comes from
     api.create_repo("org/tiny-base", token=TOKEN, exist_ok=True)

@@ -83,7 +83,7 @@ def _scenarios(out: Path) -> dict:
 
     from helpers.black_hole import BlackHole
     from helpers.hub_server import HubServer
-    from helpers.hub_subprocess import online_env, write_report
+    from helpers.hub_subprocess import online_env
 
     with HubServer(tokens={TOKEN}) as hub, HubServer(tokens={TOKEN}, role="read") as read_only, \
             HubServer(user="org") as named, BlackHole() as hole:

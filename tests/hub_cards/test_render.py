@@ -166,7 +166,8 @@ def test_merged_card_names_the_method():
     assert "fully fine-tuned" in full and "LoRA" not in full.split("---")[-1].split("## Usage")[0]
 
 
-FACTS = dict(datasets=["trl-lib/Capybara"], license="llama3.2 (from the card of org/Base-1B)", license_meta={"license": "llama3.2"},
+FACTS = dict(datasets=["trl-lib/Capybara"], license="llama3.2 (from the card of org/Base-1B)",
+             license_meta={"license": "llama3.2"},
              method="LoRA, SFT with TRL", hyperparameters=[("learning rate", "0.0002"), ("LoRA rank (r)", "16"),
                                                            ("target", "q|v")],
              evaluation=[{"metric": "exact match", "value": "91.0%", "detail": "held-out prompts"}])

@@ -360,7 +360,8 @@ class _Handler(BaseHTTPRequestHandler):
     # --- endpoints -----------------------------------------------------------------------------
     def _ep_whoami(self, args, method) -> None:
         self._send(200, {"type": "user", "name": self.hub.user, "fullname": "Test User", "orgs": [],
-                         "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": self.hub.role}}})
+                         "auth": {"type": "access_token",
+                                  "accessToken": {"displayName": "test", "role": self.hub.role}}})
 
     def _ep_create_repo(self, args, method) -> None:
         req = json.loads(self._body() or b"{}")
