@@ -65,13 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--merged-dtype", choices=MERGED_DTYPES, help="dtype of the merged weights")
 
     h = sub.add_parser("push", help="push a finished run to the Hugging Face Hub",
-                       description="Export and upload a finished run: merged → REPO_ID, adapter → REPO_ID-lora, "
-                                   "GGUF → REPO_ID-GGUF, each with a model card. The token comes from --token or "
-                                   "HF_TOKEN (or `hf auth login`) and is never printed.")
+                       description="Upload a finished run: merged → REPO_ID, adapter → REPO_ID-lora, GGUF → "
+                                   "REPO_ID-GGUF, each with its model card. What `fasttune export` wrote is uploaded "
+                                   "as it is; only what is missing is exported. The repo id, the token and the Hub "
+                                   "are checked first. The token comes from --token or HF_TOKEN (or `hf auth "
+                                   "login`) and is never printed.")
     h.add_argument("run_dir", help="folder of a finished `fasttune train` run")
     h.add_argument("--repo-id", help="'name' or 'namespace/name' (default: fast.hub_model_id of the run)")
     h.add_argument("--artifacts", nargs="+", choices=ARTIFACTS, help="what to push (default: fast.push_artifacts)")
-    h.add_argument("--gguf", nargs="+", choices=GGUF_QUANTIZATIONS, metavar="QUANT", help="GGUF types to push")
+    h.add_argument("--gguf", nargs="+", choices=GGUF_QUANTIZATIONS, metavar="QUANT",
+                   help="GGUF types to push: exported when not there yet (GGUF files export made are pushed too)")
     vis = h.add_mutually_exclusive_group()
     vis.add_argument("--private", dest="private", action="store_true", default=None, help="create private repos")
     vis.add_argument("--public", dest="private", action="store_false", help="create public repos")
@@ -165,11 +168,12 @@ def cmd_export(args) -> int:
     problem = _check_run_dir(args.run_dir)
     if problem:
         return _fail(problem, EXIT_CONFIG)
-    from .run.runner import export_run
+    from .export.leftovers import ExportBusyError
+    from .run.publish import export_run
 
     try:
         folders = export_run(args.run_dir, args.artifacts, args.gguf, args.merged_dtype)
-    except (RunConfigError, ValueError, TypeError) as e:
+    except (RunConfigError, ValueError, TypeError, OSError, ExportBusyError) as e:  # a full disk: one line
         return _fail(f"export failed: {e}")
     for kind, folder in folders.items():
         print(f"fasttune: {kind}: {folder}")
@@ -181,7 +185,8 @@ def cmd_push(args) -> int:
     if problem:
         return _fail(problem, EXIT_CONFIG)
     from .export.hub import HubPushError
-    from .run.runner import push_run
+    from .export.leftovers import ExportBusyError
+    from .run.publish import push_run
 
     try:
         urls = push_run(args.run_dir, args.repo_id, args.artifacts, args.private, args.token, args.gguf)
@@ -189,6 +194,8 @@ def cmd_push(args) -> int:
         return _fail(f"push failed: {e}")
     except ValueError as e:
         return _fail(str(e), EXIT_CONFIG)
+    except (OSError, ExportBusyError) as e:  # exporting what was missing: a full disk, a busy folder
+        return _fail(f"push failed: {e}")
     for kind, url in urls.items():
         print(f"fasttune: pushed {kind}: {url}")
     return EXIT_OK

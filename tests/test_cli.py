@@ -90,6 +90,39 @@ def test_export_and_push_refuse_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert capsys.readouterr().err.count("is not a finished fasttune run") == 2
 
 
+def test_push_fails_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    from helpers.fake_run import make_finished_run
+
+    run = make_finished_run(tmp_path / "run")
+    capsys.readouterr()
+    assert cli.main(["push", str(run), "--repo-id", "me/bad repo!"]) == cli.EXIT_CONFIG
+    assert "repo_id 'me/bad repo!' is not a valid Hub repo id" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["push", str(run), "--repo-id", "me/demo"]) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert err.startswith("fasttune: push failed: HF_HUB_OFFLINE") and err.count("\n") == 1
+    assert not any((run / kind).exists() for kind in ("adapter", "merged", "gguf"))
+
+
+def test_export_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from fasttune.export import merged
+    from helpers.fake_run import make_finished_run
+
+    run = make_finished_run(tmp_path / "run")
+    capsys.readouterr()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(merged, "_save_config", full)
+    assert cli.main(["export", str(run), "--artifacts", "merged"]) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after transformers' progress bars
+    assert last.startswith(f"fasttune: export failed: disk full writing {run / 'merged'}") and "Traceback" not in err
+
+
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_config_command_prints_a_valid_documented_config(trainer, capsys, tmp_path):
     from fasttune.run.config import RunConfig
@@ -180,7 +213,10 @@ def test_push_to_the_loopback_hub(trained_run, tmp_path):
         assert not any(r.private for r in server.repos.values())
         assert {"README.md", "model.safetensors", "config.json", "tokenizer.json"} <= repos["tester/cli-push"]
         assert {"README.md", "adapter_config.json", "adapter_model.safetensors"} <= repos["tester/cli-push-lora"]
-        assert {"README.md", "Modelfile", "cli-push-Q8_0.gguf"} <= repos["tester/cli-push-GGUF"]
+        # the GGUF file `fasttune export` made (named after the run's hub_model_id) is pushed as it is
+        assert {"README.md", "Modelfile", "cli-sft-Q8_0.gguf"} <= repos["tester/cli-push-GGUF"]
+        assert "ollama run hf.co/tester/cli-push-GGUF:Q8_0" in server.file_bytes("tester/cli-push-GGUF",
+                                                                                 "README.md").decode()
         stored = server.file_bytes("tester/cli-push-lora", "adapter_model.safetensors")
         local = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
         assert hashlib.sha256(stored).digest() == hashlib.sha256(local).digest()

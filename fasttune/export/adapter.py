@@ -28,7 +28,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, tokenizer=None, *, base_
     if not isinstance(model, PeftModel):
         raise TypeError(f"model must be a peft.PeftModel to save an adapter, got {type(model).__name__}")
     out_dir = Path(out_dir)
-    with staged_dir(out_dir) as stage:
+    # roughly what PEFT writes (the trained weights), for the space a full disk would need
+    expected = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    with staged_dir(out_dir, expected_bytes=expected or None) as stage:
         model.save_pretrained(str(stage), safe_serialization=True)
         if base_model_id:
             for cfg_path in stage.rglob("adapter_config.json"):

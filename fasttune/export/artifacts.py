@@ -1,4 +1,9 @@
-"""The artifacts of a finished run under one folder: ``adapter/``, ``merged/`` (16-bit) and ``gguf/``."""
+"""The artifacts of a finished run under one folder: ``adapter/``, ``merged/`` (16-bit) and ``gguf/``.
+
+One export at a time per folder (``leftovers.export_lock``); it first sweeps what an interrupted
+export left behind, and records in each folder what it wrote and from which source
+(``manifest.py``), so a later push can reuse it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from typing import Sequence
 from ..config import ARTIFACTS
 from .adapter import save_adapter
 from .gguf import save_gguf
+from .leftovers import export_lock, remove_stranded
+from .manifest import artifact_files, gguf_quants, write_manifest
 from .merged import save_merged
 
 logger = logging.getLogger(__name__)
@@ -32,10 +39,18 @@ def hub_repos(repo_id: str, kinds) -> dict[str, str]:
 
 def export_artifacts(model, tokenizer, root: str | Path, artifacts: Sequence[str], *, name: str,
                      gguf_quantizations: Sequence[str] = ("q8_0",), merged_dtype: str = "bfloat16",
-                     base_model_id: str | None = None, merge_base: str | None = None) -> dict[str, Path]:
+                     base_model_id: str | None = None, merge_base: str | None = None,
+                     source: str | None = None) -> dict[str, Path]:
     """Saves the requested artifacts under ``root/{adapter,merged,gguf}``; returns kind → folder.
 
-    The adapter is skipped (with a log line) for a model without PEFT adapters.
+    The adapter is skipped (with a log line) for a model without PEFT adapters. ``source`` names
+    the trained weights (``manifest.source_fingerprint``): GGUF files of other types exported from
+    the same source stay beside the new ones; files of an earlier source (or of an unknown one)
+    are removed.
+
+    Raises:
+        ExportBusyError: another export is writing into ``root``.
+        ExportWriteError: the disk is full or a file cannot be written (one line, with the path).
     """
     from peft import PeftModel
 
@@ -44,18 +59,25 @@ def export_artifacts(model, tokenizer, root: str | Path, artifacts: Sequence[str
         raise ValueError(f"artifacts: {bad} not in {ARTIFACTS}")
     root = Path(root)
     out: dict[str, Path] = {}
-    if "adapter" in artifacts:
-        if isinstance(model, PeftModel):
-            out["adapter"] = save_adapter(model, root / "adapter", tokenizer, base_model_id=base_model_id)
-        else:
-            logger.warning("not a PEFT model: skipping the adapter artifact")
-    if "merged" in artifacts:
-        out["merged"] = save_merged(model, root / "merged", tokenizer, base=merge_base, dtype=merged_dtype)
-    if "gguf" in artifacts:
-        source = out.get("merged", model)
-        written = save_gguf(source, tokenizer, root / "gguf", gguf_quantizations, name=name,
-                            base_model_id=base_model_id)
-        for stale in set((root / "gguf").glob("*.gguf")) - set(written):  # from an earlier export here
-            stale.unlink()
-        out["gguf"] = root / "gguf"
+    with export_lock(root):
+        remove_stranded(root)
+        if "adapter" in artifacts:
+            if isinstance(model, PeftModel):
+                out["adapter"] = save_adapter(model, root / "adapter", tokenizer, base_model_id=base_model_id)
+                write_manifest(out["adapter"], "adapter", source, artifact_files(out["adapter"], "adapter"))
+            else:
+                logger.warning("not a PEFT model: skipping the adapter artifact")
+        if "merged" in artifacts:
+            out["merged"] = save_merged(model, root / "merged", tokenizer, base=merge_base, dtype=merged_dtype)
+            write_manifest(out["merged"], "merged", source, artifact_files(out["merged"], "merged"),
+                           dtype=merged_dtype)
+        if "gguf" in artifacts:
+            folder = root / "gguf"
+            kept = set(gguf_quants(folder, source).values()) if source else set()
+            written = save_gguf(out.get("merged", model), tokenizer, folder, gguf_quantizations, name=name,
+                                base_model_id=base_model_id)
+            for stale in set(folder.glob("*.gguf")) - set(written) - kept:  # of another model
+                stale.unlink()
+            write_manifest(folder, "gguf", source, [p.name for p in sorted(set(written) | kept) if p.exists()])
+            out["gguf"] = folder
     return out

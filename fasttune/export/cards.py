@@ -1,15 +1,25 @@
 """Model cards of a finished run: README.md, the loss-curve PNG and, for GGUF, an Ollama Modelfile.
 
-Rendered by ``hub_cards`` (templates, no network) from the run's statistics (``run_stats_from_state``)
-and written atomically into each artifact folder.
+Rendered by ``hub_cards`` (templates, no network) from ``CardFacts`` (base, license, data, method,
+hyperparameters, held-out results) and the run's statistics (``run_stats_from_state``), and
+written atomically into each artifact folder by export, so a push only uploads them. Before the
+repo ids are known (no ``hub_model_id`` with a namespace) the cards name
+``your-hf-username/<name>`` and say so; ``.fasttune-card.json`` records which ids a folder's cards
+were rendered for, and a push re-renders them only when it pushes elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from .artifacts import hub_repos
 from .atomic import atomic_write
+from .card_facts import CardFacts
+
+PLACEHOLDER_NAMESPACE = "your-hf-username"
+CARD_STAMP = ".fasttune-card.json"
 
 
 def run_stats_from_state(state) -> dict[str, Any]:
@@ -81,31 +91,69 @@ def _gguf_rank(path: Path) -> tuple:
     return (_HEADLINE_QUANTS.index(q) if q in _HEADLINE_QUANTS else len(_HEADLINE_QUANTS), path.name)
 
 
+def card_repos(repo_id: str | None, name: str, kinds) -> tuple[dict[str, str], bool]:
+    """(kind → repo id, published) for cards written before a push: the real ids when ``repo_id``
+    has a namespace, else ``your-hf-username/<repo_id or name>`` placeholders."""
+    if repo_id and "/" in repo_id:
+        return hub_repos(repo_id, kinds), True
+    return hub_repos(f"{PLACEHOLDER_NAMESPACE}/{repo_id or name}", kinds), False
+
+
+def headline_gguf(folder: Path) -> Path | None:
+    """The GGUF file usage snippets show first (Q8_0, then Q4_K_M, ...), None when there is none."""
+    files = sorted(Path(folder).glob("*.gguf"), key=_gguf_rank)
+    files = [f for f in files if not f.name.startswith(".")]
+    return files[0] if files else None
+
+
+def cards_match(folders: dict[str, Path], repos: dict[str, str]) -> bool:
+    """Every folder has a README.md rendered for exactly ``repos`` (as published repo ids)."""
+    for folder in folders.values():
+        try:
+            stamp = json.loads((Path(folder) / CARD_STAMP).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if not (Path(folder) / "README.md").is_file() or stamp != {"repos": repos, "published": True}:
+            return False
+    return True
+
+
 def write_cards(folders: dict[str, Path], repos: dict[str, str], *, tokenizer=None, run_stats=None,
                 fast_config=None, base_model_id=None, datasets=None, endpoint: str | None = None,
-                lora: bool = True) -> None:
-    """README.md (+ loss_curve.png, + Modelfile for GGUF) in each artifact folder; ``lora`` says
-    whether the run trained adapters (the merged card then says they were merged) or all weights."""
+                lora: bool = True, facts: CardFacts | None = None, published: bool = True) -> None:
+    """README.md (+ loss_curve.png, + Modelfile for GGUF) in each artifact folder.
+
+    Args:
+        folders: artifact kind → its folder. repos: kind → repo id the cards name.
+        facts: what the cards state; without it, one is built from ``base_model_id``, ``datasets``
+            and ``run_stats`` (the older keyword arguments).
+        lora: the run trained adapters (the merged card then says they were merged) or all weights.
+        published: False while ``repos`` are placeholders.
+    """
     from ..hub_cards import render_card
 
     if endpoint is None:
         from huggingface_hub import constants
 
         endpoint = constants.ENDPOINT
-    stats = dict(run_stats or {})
+    if facts is None:
+        facts = CardFacts(base_model_id=base_model_id, datasets=list(datasets or []), stats=dict(run_stats or {}))
+    stats = dict(facts.stats or run_stats or {})
     curve = stats.pop("loss_curve", None) or []
     config = fast_config.to_dict() if hasattr(fast_config, "to_dict") else fast_config
+    headline = headline_gguf(folders["gguf"]) if "gguf" in folders else None
     for kind, folder in folders.items():
         note = write_loss_curve(curve, folder / "loss_curve.png") if curve else "No training log available."
-        ctx = dict(repo_id=repos[kind], repos=repos, endpoint=endpoint, base_model_id=base_model_id,
-                   datasets=list(datasets or []), stats=stats, fast_config=config,
-                   loss_curve=None if note else "loss_curve.png", loss_curve_note=note,
-                   chat_template=getattr(tokenizer, "chat_template", None), lora=lora)
+        ctx = dict(facts.context(), repo_id=repos[kind], repos=repos, endpoint=endpoint, stats=stats,
+                   fast_config=config, loss_curve=None if note else "loss_curve.png", loss_curve_note=note,
+                   chat_template=getattr(tokenizer, "chat_template", None), lora=lora, published=published,
+                   gguf_quant=_quant_of(headline) if headline else "Q8_0")
         if kind == "gguf":
-            files = sorted(folder.glob("*.gguf"), key=_gguf_rank)  # the usage snippets show the first
+            files = sorted((f for f in folder.glob("*.gguf") if not f.name.startswith(".")), key=_gguf_rank)
             ctx["gguf_files"] = [{"file": f.name, "quant": _quant_of(f), "size": _human(f.stat().st_size)}
                                  for f in files]
             if files:
                 ctx["modelfile_gguf"] = files[0].name
                 atomic_write(folder / "Modelfile", render_card("modelfile", **ctx))
         atomic_write(folder / "README.md", render_card(kind, **ctx))
+        atomic_write(folder / CARD_STAMP, json.dumps({"repos": repos, "published": published}, sort_keys=True))

@@ -20,6 +20,7 @@ vocabulary in ``gguf_tokenizer.py``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from . import gguf_arch
 from .atomic import atomic_path, fsync_dir
 from .gguf_tokenizer import add_tokenizer
 from .merged_weights import WeightEntry, checkpoint_weights, model_weights, unwrap_model
+from .write_errors import free_bytes, naming_write_errors
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +210,8 @@ def _encode(data: np.ndarray, qtype) -> np.ndarray:
 
 def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokenizer, plan: list[_Tensor],
                  name: str, base_model_id: str | None):
+    """A GGUFWriter on ``path`` with header, metadata and tensor infos written; returns it and the
+    bytes of tensor data still to come (for the space a full disk would need)."""
     import gguf
 
     w = gguf.GGUFWriter(path=None, arch=arch)
@@ -221,6 +225,7 @@ def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokeniz
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     gguf_arch.write_arch_metadata(w, cfg, arch)
     add_tokenizer(w, tokenizer, cfg["vocab_size"])
+    data_bytes = 0
     for t in plan:
         qtype = _tensor_type(quant, t)
         if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -229,11 +234,13 @@ def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokeniz
             w.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
         else:
             byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, qtype)
-            w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+            nbytes = int(np.prod(byte_shape))
+            w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+        data_bytes += nbytes
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    return w
+    return w, data_bytes
 
 
 def _safe_general_name(name: str, tokenizer) -> str:
@@ -254,6 +261,9 @@ def _llama_quantize(src: Path, dst: Path, quant: str) -> None:
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
+        free = free_bytes(dst)
+        if free is not None and free < src.stat().st_size // 4:  # llama.cpp reports no reason: a full disk?
+            raise OSError(errno.ENOSPC, f"llama_model_quantize({quant.upper()}) failed with {free} bytes free")
         raise RuntimeError(f"llama_model_quantize({quant.upper()}) failed with code {rc}")
 
 
@@ -294,14 +304,20 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
         targets.append(("bf16", scratch))
     with torch.no_grad(), contextlib.ExitStack() as stack:
         tmp_paths = [stack.enter_context(atomic_path(path)) for _, path in targets]
-        writers = []
+        writers, guards = [], []
         stack.callback(lambda: [w.close() for w in writers])  # closed before the renames
-        for (q, _), tmp in zip(targets, tmp_paths):
-            writers.append(_open_writer(tmp, arch, q, cfg, tokenizer, plan, name, base_model_id))
+        for (q, final), tmp in zip(targets, tmp_paths):
+            with naming_write_errors(final):
+                w, data_bytes = _open_writer(tmp, arch, q, cfg, tokenizer, plan, name, base_model_id)
+            writers.append(w)
+            # each file's own path and size in the message when the disk fills up while writing it
+            expected = tmp.stat().st_size + data_bytes
+            guards.append(lambda f=final, t=tmp, n=expected: naming_write_errors(f, n, lambda: t.stat().st_size))
         for t in plan:
             data = t.load()
-            for (q, _), w in zip(targets, writers):
-                w.write_tensor_data(_encode(data, _tensor_type(q, t)))
+            for (q, _), w, guard in zip(targets, writers, guards):
+                with guard():
+                    w.write_tensor_data(_encode(data, _tensor_type(q, t)))
     written = {q: out_dir / gguf_filename(name, q) for q in py}
     if kq:
         source = scratch if scratch is not None else written["bf16"]

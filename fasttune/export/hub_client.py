@@ -1,18 +1,18 @@
-"""The Hub calls of a push, made reliable: retries with back-off, deadlines, no token in any message.
+"""The Hub calls of a push, made reliable: deadlines, retries with back-off, no token in any message.
 
-huggingface_hub retries preupload, LFS batch/PUT/verify itself but not create_repo, validate-yaml,
-the commit call, model_info or whoami. Those run here with exponential back-off on 5xx/429,
-timeouts and dropped connections; calls that huggingface_hub sends without a timeout run under a
-deadline (``RetryPolicy.call_timeout``). The token never reaches a log line, a saved file or an
-exception message: messages are scrubbed and exceptions re-raised as ``HubPushError`` without the
-original chain.
+Deadlines: every request runs inside ``hub_http.hub_timeouts`` (the push opens it), so a request
+that makes no progress for ``RetryPolicy.call_timeout`` seconds fails instead of hanging.
+huggingface_hub retries preupload and LFS batch/PUT/verify itself; create_repo, validate-yaml, the
+commit, model_info and whoami are retried here with exponential back-off on 5xx/429, timeouts and
+dropped connections, within ``total_timeout`` seconds per call. A 429 waits at least
+``rate_limit_floor`` seconds, whatever its Retry-After says. The token never reaches a log line, a
+saved file or an exception message: messages are scrubbed and exceptions re-raised as
+``HubPushError`` without the original chain.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,21 +31,50 @@ class HubPushError(RuntimeError):
         output_dir: where the local artifacts were kept.
     """
 
-    def __init__(self, message: str, status_code: int | None = None, output_dir: str | None = None) -> None:
+    def __init__(self, message: str, status_code: int | None = None, output_dir: str | None = None,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.output_dir = output_dir
+        self.detail = detail or message  # the failure alone, without what to do next
 
 
 @dataclass
 class RetryPolicy:
-    """Back-off for Hub calls: ``attempts`` tries, sleeping base_delay·2^k (≤ max_delay, or the 429
-    Retry-After) in between; calls huggingface_hub sends without a timeout get ``call_timeout`` s."""
+    """Deadlines and back-off of Hub calls.
+
+    ``attempts`` tries per call, sleeping base_delay·2^k (≤ max_delay; a 429's Retry-After when longer,
+    never less than ``rate_limit_floor``) in between, and no new attempt that would end (taking as
+    long as the last one) after ``total_timeout`` seconds. Each request fails after
+    ``connect_timeout`` s without a connection or ``call_timeout`` s without progress (a stalled
+    upload, a server that never answers).
+    """
 
     attempts: int = 5
     base_delay: float = 1.0
     max_delay: float = 30.0
-    call_timeout: float = 120.0
+    call_timeout: float = 15.0
+    connect_timeout: float = 10.0
+    total_timeout: float = 120.0
+    rate_limit_floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        for name in ("call_timeout", "connect_timeout", "total_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def room_for(self, elapsed: float, delay: float, last_attempt: float) -> bool:
+        """Another attempt, as long as the last one, still ends within ``total_timeout``."""
+        return elapsed + delay + last_attempt <= self.total_timeout
+
+    def delay(self, attempt: int, exc: BaseException) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based) that raised ``exc``."""
+        wait = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        if status_of(exc) == 429:
+            wait = max(wait, self.rate_limit_floor, min(self.max_delay, retry_after(exc) or 0.0))
+        return wait
 
 
 class _Scrubber:
@@ -58,117 +87,115 @@ class _Scrubber:
         return text
 
 
-class _CallTimeout(TimeoutError):
-    pass
-
-
-def _with_deadline(fn: Callable[[], Any], timeout: float | None) -> Any:
-    """Runs ``fn`` in a daemon thread and gives up waiting after ``timeout`` s (the thread is left to
-    finish on its own: huggingface_hub offers no per-call timeout for these requests)."""
-    if timeout is None:
-        return fn()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-
-    worker = threading.Thread(target=run, daemon=True, name="fasttune-hub-call")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise _CallTimeout(f"no answer within {timeout:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def _status(exc: BaseException) -> int | None:
+def status_of(exc: BaseException) -> int | None:
+    """HTTP status of a failed call (None for network errors and timeouts)."""
     response = getattr(exc, "response", None)
     return getattr(response, "status_code", None)
 
 
-def _transient(exc: BaseException) -> bool:
-    if _status(exc) in _RETRY_STATUS:
-        return True
-    if isinstance(exc, (_CallTimeout, TimeoutError, ConnectionError)):
+def is_timeout(exc: BaseException) -> bool:
+    """A request that hit a deadline (the server may still act on it: a commit can land late)."""
+    if isinstance(exc, TimeoutError):
         return True
     for mod_name in ("httpx2", "httpx"):
-        try:
-            mod = __import__(mod_name)
-        except ImportError:
-            continue
-        if isinstance(exc, (mod.TimeoutException, mod.NetworkError, mod.RemoteProtocolError)):
+        mod = _module(mod_name)
+        if mod is not None and isinstance(exc, mod.TimeoutException):
             return True
     return False
 
 
-def _retry_after(exc: BaseException) -> float | None:
+def _module(name: str):
+    try:
+        return __import__(name)
+    except ImportError:
+        return None
+
+
+def transient(exc: BaseException) -> bool:
+    """Worth retrying: 408/429/5xx, a timeout, a dropped or refused connection."""
+    if status_of(exc) in _RETRY_STATUS or is_timeout(exc) or isinstance(exc, ConnectionError):
+        return True
+    for mod_name in ("httpx2", "httpx"):
+        mod = _module(mod_name)
+        if mod is not None and isinstance(exc, (mod.NetworkError, mod.RemoteProtocolError)):
+            return True
+    return False
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The Retry-After header of a failed call, in seconds (None when absent or not a number)."""
     response = getattr(exc, "response", None)
     value = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
     try:
-        return float(value) if value is not None else None
+        return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None
 
 
 class HubClient:
-    """The Hub calls of one push, with retries, deadlines and scrubbing."""
+    """The Hub calls of one push, with retries, a time budget per call and scrubbed messages."""
 
-    def __init__(self, token: str | None, policy: RetryPolicy, output_dir: Path) -> None:
+    def __init__(self, token: str | None, policy: RetryPolicy, output_dir: Path | str,
+                 endpoint: str | None = None) -> None:
         from huggingface_hub import HfApi, get_token
 
-        self.api = HfApi()
+        self.api = HfApi(endpoint=endpoint)  # None: huggingface_hub's (HF_ENDPOINT)
         self.token = token
         self.policy = policy
         self.scrub = _Scrubber(token or get_token())
         self.output_dir = str(output_dir)
 
-    def call(self, what: str, fn: Callable[[], Any], deadline: bool = True) -> Any:
+    def failure(self, what: str, exc: BaseException, attempts: int, why: str = "") -> HubPushError:
+        """The HubPushError for a call that will not be retried (scrubbed, no chained exception)."""
+        detail = f"{what} failed after {attempts} attempt(s){why}: " + self.scrub(f"{type(exc).__name__}: {exc}")
+        return HubPushError(f"{detail}. Local artifacts are kept in {self.output_dir}; run the push again to resume.",
+                            status_of(exc), self.output_dir, detail)
+
+    def call(self, what: str, fn: Callable[[], Any], attempts: int | None = None) -> Any:
+        """``fn()``, retried on transient failures within the policy's attempts and time budget."""
         p = self.policy
-        for attempt in range(1, p.attempts + 1):
+        tries = attempts or p.attempts
+        start = time.monotonic()
+        for attempt in range(1, tries + 1):
+            began = time.monotonic()
             try:
-                return _with_deadline(fn, p.call_timeout if deadline else None)
+                return fn()
             except Exception as e:  # noqa: BLE001 - classified below, re-raised scrubbed
-                status = _status(e)
-                detail = self.scrub(f"{type(e).__name__}: {e}")
-                if not _transient(e) or attempt == p.attempts:
-                    raise HubPushError(f"{what} failed after {attempt} attempt(s): {detail}. Local artifacts are "
-                                       f"kept in {self.output_dir}; run the push again to resume.",
-                                       status, self.output_dir) from None
-                delay = _retry_after(e) if status == 429 else None
-                delay = min(p.max_delay, delay if delay is not None else p.base_delay * 2 ** (attempt - 1))
-                logger.warning("%s: %s; retry %d/%d in %.1f s", what, detail[:300], attempt, p.attempts - 1, delay)
+                if not transient(e) or attempt == tries:
+                    raise self.failure(what, e, attempt) from None
+                delay = p.delay(attempt, e)
+                if not p.room_for(time.monotonic() - start, delay, time.monotonic() - began):
+                    raise self.failure(what, e, attempt, f" within {p.total_timeout:g} s") from None
+                logger.warning("%s: %s; retry %d/%d in %.1f s", what, self.scrub(f"{type(e).__name__}: {e}")[:300],
+                               attempt, tries - 1, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def whoami(self, attempts: int | None = None) -> dict:
+        return self.call("whoami", lambda: self.api.whoami(token=self.token), attempts)
+
     def namespace(self) -> str:
-        info = self.call("whoami", lambda: self.api.whoami(token=self.token))
-        return info["name"]
+        return self.whoami()["name"]
 
     def create_repo(self, repo_id: str, private: bool) -> str:
         url = self.call(f"create_repo {repo_id}", lambda: self.api.create_repo(
             repo_id, private=private, exist_ok=True, repo_type="model", token=self.token))
         return str(url)
 
-    def upload_folder(self, repo_id: str, folder: Path, message: str) -> None:
-        from huggingface_hub import CommitOperationAdd
-
-        files = [p for p in sorted(folder.rglob("*")) if p.is_file()
-                 and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
-        ops = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
-               for p in files]
-        # LFS uploads can take long: no deadline (huggingface_hub retries them itself).
-        self.call(f"upload to {repo_id}", lambda: self.api.preupload_lfs_files(
-            repo_id, additions=ops, token=self.token, free_memory=False), deadline=False)
-        # Fresh operation objects per attempt: a timed-out attempt may still be running.
-        self.call(f"commit to {repo_id}", lambda: self.api.create_commit(
-            repo_id, operations=[copy.copy(op) for op in ops], commit_message=message, token=self.token))
+    def head(self, repo_id: str) -> str | None:
+        """The commit id at the head of ``repo_id``'s main branch."""
         info = self.call(f"model_info {repo_id}", lambda: self.api.model_info(
-            repo_id, token=self.token, timeout=self.policy.call_timeout), deadline=False)
-        remote = {s.rfilename for s in (info.siblings or [])}
-        missing = sorted(op.path_in_repo for op in ops if op.path_in_repo not in remote)
-        if missing:
-            raise HubPushError(f"{repo_id} is missing {missing} after the commit", None, self.output_dir)
+            repo_id, token=self.token, timeout=self.policy.call_timeout))
+        return info.sha
+
+    def remote_oids(self, repo_id: str) -> dict[str, str]:
+        """path → oid of every file in the repo: the sha256 for LFS files, the git blob sha1 otherwise."""
+        def listing():
+            out = {}
+            for entry in self.api.list_repo_tree(repo_id, recursive=True, token=self.token):
+                if hasattr(entry, "blob_id"):
+                    lfs = getattr(entry, "lfs", None)
+                    out[entry.path] = lfs.sha256 if lfs is not None else entry.blob_id
+            return out
+
+        return self.call(f"list files of {repo_id}", listing)

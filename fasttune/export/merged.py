@@ -21,6 +21,7 @@ from torch import nn
 
 from .atomic import staged_dir
 from .merged_weights import MergeRules, checkpoint_shards, model_weights, unwrap_model
+from .write_errors import naming_write_errors
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,13 @@ def _parse_size(size: int | str) -> int:
         if s.endswith(unit):
             return int(float(s[: -len(unit)]) * mult)
     return int(s)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,8 +71,11 @@ class _ShardWriter:
             return
         from safetensors.torch import save_file
 
-        path = self.stage / f".part-{len(self.parts):05d}.safetensors"
-        save_file(self.current, str(path), metadata={"format": "pt"})
+        i = len(self.parts)
+        path = self.stage / f".part-{i:05d}.safetensors"
+        final = self.stage.parent / ("model.safetensors" if i == 0 else f"model-{i + 1:05d}.safetensors")
+        with naming_write_errors(final, self.size, lambda: _size(path)):
+            save_file(self.current, str(path), metadata={"format": "pt"})
         self.parts.append((path, list(self.current)))
         self.current, self.size = {}, 0
 
@@ -95,7 +106,10 @@ def _resolve_base(base: str | Path) -> Path:
         raise FileNotFoundError(f"base {str(base)!r} is neither a local checkpoint folder nor a Hub id")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(base), allow_patterns=["*.safetensors", "*.json"]))
+    from .hub_http import hub_timeouts
+
+    with hub_timeouts():  # a stalled download fails (and is retried by huggingface_hub) instead of hanging
+        return Path(snapshot_download(str(base), allow_patterns=["*.safetensors", "*.json"]))
 
 
 def _embedding_keys(inner: nn.Module) -> tuple[str | None, str | None]:
@@ -135,7 +149,9 @@ def _merge_from_base(stage: Path, base_dir: Path, rules: MergeRules, dtype: torc
                 pending.discard(key)
                 out[key] = _cast(tensor, dtype)
         name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(out, str(stage / name), metadata={"format": "pt"})
+        expected = sum(t.numel() * t.element_size() for t in out.values())
+        with naming_write_errors(stage.parent / name, expected, lambda: _size(stage / name)):
+            save_file(out, str(stage / name), metadata={"format": "pt"})
         total += (stage / name).stat().st_size
         weight_map.update({k: name for k in out})
         names.append(name)

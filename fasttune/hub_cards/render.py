@@ -98,7 +98,9 @@ _ENV = jinja2.Environment(loader=jinja2.PackageLoader("fasttune.hub_cards", "tem
                           trim_blocks=True, lstrip_blocks=True, autoescape=False)
 _ENV.filters["yaml"] = _yaml
 _ENV.filters["num"] = _fmt_number
-_ENV.filters["pretty_json"] = lambda v: json.dumps(v, indent=2, sort_keys=True, ensure_ascii=False)
+_ENV.filters["compact"] = lambda v: (json.dumps(v, ensure_ascii=False)
+                                     if isinstance(v, (list, dict, bool)) or v is None else str(v))
+_ENV.filters["cell"] = lambda v: " ".join(str(v).split()).replace("|", "\\|")  # one markdown table cell
 
 
 def render_card(kind: str, **context: Any) -> str:
@@ -106,12 +108,18 @@ def render_card(kind: str, **context: Any) -> str:
 
     Context keys (missing optional ones default to None/empty):
         repo_id: this repo's id. repos: {"adapter"|"merged"|"gguf": repo id or None} (cross links).
-        endpoint: Hub URL for links. base_model_id: Hub id of the base model, or None.
-        datasets: list of dataset ids. stats: {"global_step", "final_loss", "tokens_per_second",
-        "peak_memory_gib", "train_runtime"}. loss_curve: image file name in the repo, or None;
-        loss_curve_note: why there is none. fast_config: FastConfig.to_dict().
-        gguf_files: [{"file", "quant", "size"}]. chat_template: the tokenizer's Jinja template.
-        modelfile_gguf: GGUF file the Modelfile points at. model_name: display name.
+        published: False while the repo ids are placeholders (the card says so; the GGUF card then
+        names the base, not the merged repo, as its base_model). endpoint: Hub URL for links.
+        base_model_id: Hub id of the base model, or None; base_note: where the base came from when
+        it has no Hub id. license: the license line; license_meta: its front-matter keys.
+        datasets: list of dataset Hub ids; dataset_note: the data in words (a local file, the
+        embedded task). method: how it was trained. hyperparameters: [(name, value)].
+        evaluation: [{"metric", "value", "detail"}] held-out results. stats: {"global_step",
+        "final_loss", "tokens_per_second", "peak_memory_gib", "train_runtime"}. loss_curve: image
+        file name in the repo, or None; loss_curve_note: why there is none. fast_config:
+        FastConfig.to_dict() (a table, secrets dropped). gguf_files: [{"file", "quant", "size"}];
+        gguf_quant: the GGUF type usage snippets name. chat_template: the tokenizer's Jinja
+        template. modelfile_gguf: GGUF file the Modelfile points at. model_name: display name.
 
     Returns:
         The rendered text (a README.md with YAML front matter, or a Modelfile).
@@ -123,7 +131,10 @@ def render_card(kind: str, **context: Any) -> str:
     ctx: dict[str, Any] = {
         "endpoint": "https://huggingface.co", "repos": {}, "base_model_id": None, "datasets": [],
         "stats": {}, "loss_curve": None, "loss_curve_note": None, "fast_config": None, "gguf_files": [],
-        "chat_template": None, "modelfile_gguf": None, "model_name": None, "extra_tags": [],
+        "chat_template": None, "modelfile_gguf": None, "model_name": None, "extra_tags": [], "published": True,
+        "base_note": None, "license": "unknown — check the base model's license", "license_meta": {},
+        "dataset_note": None, "method": None, "hyperparameters": [], "evaluation": [], "gguf_quant": "Q8_0",
+        "lora": None,
     }
     ctx.update(context)
     ctx["endpoint"] = str(ctx["endpoint"]).rstrip("/")
@@ -131,4 +142,5 @@ def render_card(kind: str, **context: Any) -> str:
     ctx["fast_config"] = _drop_secrets(ctx["fast_config"]) if ctx["fast_config"] else None
     ctx["model_name"] = ctx["model_name"] or ctx["repo_id"].split("/")[-1]
     ctx.update(_ollama(ctx["chat_template"]))
+    ctx["ctx"] = ctx  # the shared sections read what they need from it
     return _ENV.get_template(_TEMPLATES[kind]).render(**ctx)

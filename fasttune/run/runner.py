@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig
+from .finished import base_path as _base_path
+from .finished import load_run, usable_artifacts  # noqa: F401 - the runner's API
 from .folder import RunFolder, is_main_process
+from .publish import export_run, push_run  # noqa: F401 - the runner's API
 from .sources import EMBEDDED, classify_model
 from .stop import StopRequested, StopSignal
 
@@ -28,29 +31,6 @@ logger = logging.getLogger("fasttune.runner")
 
 
 # --- loading ----------------------------------------------------------------------------------
-
-def _dtype(name: str):
-    import torch
-
-    if name == "auto":
-        cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    return getattr(torch, name)
-
-
-def _base_path(cfg: RunConfig, folder: RunFolder) -> str:
-    """Where the base weights load from; the embedded model is built and saved under ``folder.base``."""
-    if classify_model(cfg.model.base) != EMBEDDED:
-        return cfg.model.base
-    base = folder.base
-    if not (base / "config.json").exists():
-        from .. import embedded
-
-        tok = embedded.build_tokenizer()
-        embedded.build_model(tok, seed=cfg.training.seed).save_pretrained(str(base))
-        tok.save_pretrained(str(base))
-    return str(base)
-
 
 def load_model(cfg: RunConfig, folder: RunFolder):
     """(model, tokenizer) to train: ``hf_integration.loader.load_model`` on the base (NF4 for QLoRA,
@@ -70,14 +50,6 @@ def load_model(cfg: RunConfig, folder: RunFolder):
                 # the embedded model declares a 64-token context; its rows are far shorter than max_length
                 max_seq_length=None if embedded else cfg.training.max_length, revision=cfg.model.revision,
                 fast_config=dataclasses.replace(cfg.fast, export_artifacts=(), push_to_hub=False))
-
-
-def _load_base(cfg: RunConfig, folder: RunFolder):
-    """The 16-bit base of a run (also for QLoRA: a clean merge), unpatched, on the CPU."""
-    from transformers import AutoModelForCausalLM
-
-    path = _base_path(cfg, folder)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(cfg.model.dtype), revision=cfg.model.revision)
 
 
 def training_args(cfg: RunConfig, run_dir: Path):
@@ -235,84 +207,13 @@ def _export_and_push(cfg: RunConfig, folder: RunFolder) -> None:
     from ..export.hub import HubPushError
 
     fast = cfg.fast
-    pushed = set(fast.push_artifacts) if fast.push_to_hub else set()
-    local_only = [a for a in fast.export_artifacts if a not in pushed]  # push_run saves its own first
-    if local_only:
-        export_run(folder.path, local_only)
+    wanted = list(fast.export_artifacts)
+    if fast.push_to_hub:
+        wanted += [a for a in fast.push_artifacts if a not in wanted]
+    export_run(folder.path, usable_artifacts(wanted, folder))  # one export; the push uploads it
     if fast.push_to_hub:
         try:
             push_run(folder.path)
         except HubPushError as e:  # the trained model is saved: only the upload needs a retry
             raise HubPushError(f"{e} Retry with: fasttune push {folder.path}", e.status_code,
                                e.output_dir) from None
-
-
-# --- a finished run -----------------------------------------------------------------------------
-
-def load_run(run_dir: str | Path):
-    """(cfg, model, tokenizer) of a finished run: the full model, or the adapter on its 16-bit base."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = RunFolder(run_dir)
-    folder.require_finished()
-    cfg = folder.load_config()
-    tok = AutoTokenizer.from_pretrained(str(folder.final))
-    if (folder.final / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(_load_base(cfg, folder), str(folder.final))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(folder.final), dtype=_dtype(cfg.model.dtype))
-    return cfg, model, tok
-
-
-def usable_artifacts(wanted, model) -> tuple[str, ...]:
-    """``wanted`` without "adapter" when the model has no LoRA adapter (a full fine-tune)."""
-    from peft import PeftModel
-
-    return tuple(a for a in wanted if a != "adapter" or isinstance(model, PeftModel))
-
-
-def export_run(run_dir: str | Path, artifacts=None, gguf_quantizations=None, merged_dtype=None) -> dict[str, str]:
-    """Saves adapter / merged / GGUF files of a finished run under ``run_dir``; returns kind → folder."""
-    from ..export.artifacts import export_artifacts, hub_repos
-    from ..export.cards import write_cards
-
-    folder = RunFolder(run_dir)
-    cfg, model, tok = load_run(folder.path)
-    artifacts = tuple(artifacts or usable_artifacts(cfg.fast.export_artifacts or ("adapter", "merged", "gguf"),
-                                                    model))
-    repo = cfg.fast.hub_model_id
-    name = (repo or cfg.run_name or folder.path.resolve().name).split("/")[-1]
-    folders = export_artifacts(model, tok, folder.path, artifacts, name=name,
-                               gguf_quantizations=gguf_quantizations or cfg.fast.gguf_quantizations,
-                               merged_dtype=merged_dtype or cfg.fast.merged_dtype, base_model_id=cfg.hub_base_id())
-    if repo and "/" in repo:
-        write_cards(folders, hub_repos(repo, folders), tokenizer=tok, run_stats=folder.run_stats(),
-                    fast_config=cfg.fast, base_model_id=cfg.hub_base_id(), datasets=cfg.hub_datasets(),
-                    lora=hasattr(model, "peft_config"))
-    out = {k: str(v) for k, v in folders.items()}
-    folder.record("artifacts", out)
-    return out
-
-
-def push_run(run_dir: str | Path, repo_id: str | None = None, artifacts=None, private: bool | None = None,
-             token: str | None = None, gguf_quantizations=None) -> dict[str, str]:
-    """Exports and uploads a finished run (``export.hub.push_to_hub``); returns kind → repo URL."""
-    from ..export.hub import push_to_hub
-
-    folder = RunFolder(run_dir)
-    cfg, model, tok = load_run(folder.path)
-    repo_id = repo_id or cfg.fast.hub_model_id
-    if not repo_id:
-        raise ValueError("repo_id: give --repo-id (the run config has no fast.hub_model_id)")
-    artifacts = tuple(artifacts or usable_artifacts(cfg.fast.push_artifacts, model))
-    urls = push_to_hub(model, tok, repo_id, artifacts=artifacts,
-                       gguf_quantizations=gguf_quantizations or cfg.fast.gguf_quantizations,
-                       private=cfg.fast.hub_private if private is None else private,
-                       base_model_id=cfg.hub_base_id(), token=token, run_stats=folder.run_stats(),
-                       output_dir=folder.path, fast_config=cfg.fast, datasets=cfg.hub_datasets(),
-                       merged_dtype=cfg.fast.merged_dtype)
-    folder.record("urls", urls)
-    folder.record("artifacts", {k: str(folder.path / k) for k in urls})
-    return urls

@@ -41,3 +41,18 @@ def test_export_artifacts_writes_each_folder_and_drops_stale_gguf(tmp_path):
         export_artifacts(model, tok, tmp_path, ("weights",), name="run")
     full = tiny_model("llama", vocab_size=1000)
     assert export_artifacts(full, tok, tmp_path / "full", ("adapter",), name="run") == {}  # no adapter to save
+
+
+def test_gguf_types_of_the_same_weights_accumulate(tmp_path):
+    tok = bpe_tokenizer()
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model("llama", vocab_size=1000),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+
+    def export(quants, source):
+        export_artifacts(model, tok, tmp_path, ("gguf",), name="run", gguf_quantizations=quants, source=source)
+        return sorted(p.name for p in (tmp_path / "gguf").glob("*.gguf"))
+
+    assert export(("f16",), "weights-1") == ["run-F16.gguf"]
+    assert export(("q8_0", "q4_0"), "weights-1") == ["run-F16.gguf", "run-Q4_0.gguf", "run-Q8_0.gguf"]
+    assert export(("q8_0",), "weights-2") == ["run-Q8_0.gguf"]  # retrained: the others are of the old weights

@@ -22,3 +22,30 @@ def test_run_stats_and_loss_curve(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert "matplotlib is not installed" in write_loss_curve(stats["loss_curve"], tmp_path / "c.png")
     assert not (tmp_path / "b.png").exists() and not (tmp_path / "c.png").exists()
+
+
+def test_cards_name_placeholders_until_the_repo_is_known_and_record_what_they_name(tmp_path):
+    from fasttune.export.card_facts import CardFacts
+    from fasttune.export.cards import card_repos, cards_match, headline_gguf, write_cards
+
+    assert card_repos("me/run", "x", ("merged",)) == ({"merged": "me/run"}, True)
+    assert card_repos("run", "x", ("merged", "gguf")) == (
+        {"merged": "your-hf-username/run", "gguf": "your-hf-username/run-GGUF"}, False)
+    assert card_repos(None, "x", ("adapter",)) == ({"adapter": "your-hf-username/x-lora"}, False)
+    folders = {"merged": tmp_path / "merged", "gguf": tmp_path / "gguf"}
+    for f in folders.values():
+        f.mkdir()
+    for name in ("run-F16.gguf", "run-Q4_K_M.gguf", "run-Q8_0.gguf"):
+        (tmp_path / "gguf" / name).write_bytes(b"x")
+    assert headline_gguf(tmp_path / "gguf").name == "run-Q8_0.gguf"
+    repos, published = card_repos(None, "run", folders)
+    facts = CardFacts(stats={"global_step": 2, "loss_curve": [(1, 2.0), (2, 1.0)]})
+    write_cards(folders, repos, facts=facts, published=published, endpoint="https://hf.example")
+    merged = (tmp_path / "merged" / "README.md").read_text()
+    assert "Not on the Hub yet" in merged and "ollama run hf.co/your-hf-username/run-GGUF:Q8_0" in merged
+    assert (tmp_path / "gguf" / "Modelfile").read_text().count("FROM ./run-Q8_0.gguf") == 1
+    assert (tmp_path / "merged" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert not cards_match(folders, repos)  # placeholders: a push renders them again
+    real = {"merged": "me/run", "gguf": "me/run-GGUF"}
+    write_cards(folders, real, facts=facts, endpoint="https://hf.example")
+    assert cards_match(folders, real) and not cards_match(folders, {"merged": "me/other", "gguf": "me/other-GGUF"})

@@ -71,7 +71,7 @@ def test_full_push_after_training(server, tmp_path):
     report = _run(server, "full", tmp_path)
     base = f"{server.url}/tester/tiny-sft"
     assert report["urls"] == {"merged": base, "gguf": base + "-GGUF", "adapter": base + "-lora"}
-    repos = server.repos
+    repos = {k: r for k, r in server.repos.items() if k != "org/tiny-base"}
     assert set(repos) == {"tester/tiny-sft", "tester/tiny-sft-lora", "tester/tiny-sft-GGUF"}
     assert all(r.private for r in repos.values())
     files = {k: set(r.files) for k, r in repos.items()}
@@ -107,7 +107,19 @@ def test_full_push_after_training(server, tmp_path):
     assert adapter_cfg["base_model_name_or_path"] == "org/tiny-base"
     modelfile = server.file_bytes("tester/tiny-sft-GGUF", "Modelfile").decode()
     assert "FROM ./tiny-sft-Q8_0.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
-    assert '"push_to_hub": true' in gguf_card_text and "hub_token" not in gguf_card_text
+    assert "| push_to_hub | true |" in gguf_card_text and "hub_token" not in gguf_card_text
+    # the base's license (from its card on the Hub), hyperparameters as a table, no local path
+    for card in (merged, adapter, gguf_card):
+        assert card["license"] == "llama3.2"
+    assert "| LoRA rank (r) | 4 |" in gguf_card_text and "| learning rate | 0.001 |" in gguf_card_text
+    assert "/local/checkpoints" not in gguf_card_text
+    # every README passed the server's validation, huggingface_hub's ModelCard.validate and renders
+    checked = [errors for text, errors in server.card_checks if "fasttune" in text]
+    assert len(checked) >= 3 and not any(checked)
+    assert report["validated"] == ["tester/tiny-sft", "tester/tiny-sft-GGUF", "tester/tiny-sft-lora"]
+    assert report["invalid_card"].count("not a valid repo id") == 1 and "not a license id" in report["invalid_card"]
+    for repo, page in report["pages"].items():
+        assert page["tables"] >= 3 and page["png"], (repo, page)
     _assert_token_nowhere(server, report, out)
 
 
@@ -131,6 +143,8 @@ def test_transient_faults_are_retried(server, tmp_path):
                              ("commit", 500), ("model_info", 502), ("whoami", 500)):
         assert server.count(endpoint, status) == 1, (endpoint, status)
     assert server.count("lfs_put", -1) == 1 and server.count("commit", -1) == 1
+    server.wait_idle()
+    assert server.commits("tester/faulty-lora") == 1 and server.commits("tester/faulty-GGUF") == 1  # never twice
     assert "Bearer ***" in report["log"]  # the server echoed the header; the client scrubbed it
     _assert_token_nowhere(server, report, report["output_dir"])
 
@@ -207,6 +221,12 @@ def _scenario_full(out: Path) -> dict:
                 logs = {**logs, "tokens_per_second": 4321.0, "peak_memory_gib": 0.25}
             return super().log(logs, *args, **kwargs)
 
+    from huggingface_hub import CommitOperationAdd, ModelCard
+
+    api = HfApi()  # the base model's card, where the license comes from
+    api.create_repo("org/tiny-base", token=TOKEN, exist_ok=True)
+    api.create_commit("org/tiny-base", [CommitOperationAdd("README.md", b"---\nlicense: llama3.2\n---\n# base\n")],
+                      commit_message="card", token=TOKEN)
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, len(tok), (6, 16), generator=g)]
     args = TrainingArguments(output_dir=str(out / "run"), max_steps=3, per_device_train_batch_size=2,
@@ -227,7 +247,26 @@ def _scenario_full(out: Path) -> dict:
     adapter = PeftModel.from_pretrained(base, adapter_dir)
     gguf_dir = snapshot_download("tester/tiny-sft-GGUF", token=TOKEN, cache_dir=str(out / "dl"))
     reader = gguf.GGUFReader(str(Path(gguf_dir) / "tiny-sft-Q8_0.gguf"))
-    return {"urls": result["urls"], "output_dir": str(out / "run"),
+    import re
+    import urllib.request
+
+    validated, pages = [], {}
+    for repo in sorted(result["urls"].values()):
+        repo_id = repo.split("/", 3)[-1]
+        card = ModelCard.load(repo_id, token=TOKEN)
+        card.validate()  # huggingface_hub's own check, answered by the loopback's validate-yaml
+        validated.append(repo_id)
+        html = urllib.request.urlopen(repo).read().decode()
+        img = re.search(r'<img src="([^"]+)"', html)
+        png = urllib.request.urlopen(img.group(1)).read()[:8] == b"\x89PNG\r\n\x1a\n" if img else False
+        pages[repo_id] = {"tables": html.count("<table>"), "png": png}
+    try:
+        ModelCard("---\nbase_model: /local/checkpoints/x\nlicense: not-a-license\n---\n# x\n").validate()
+        invalid = "accepted"
+    except ValueError as e:
+        invalid = str(e)
+    return {"urls": result["urls"], "output_dir": str(out / "run"), "validated": validated, "pages": pages,
+            "invalid_card": invalid,
             "merged_logits_diff": float((_logits(merged, ids) - ref).abs().max()),
             "adapter_logits_diff": float((_logits(adapter, ids) - ref).abs().max()),
             "gguf_arch": reader.fields["general.architecture"].contents(),

@@ -34,6 +34,13 @@ def test_export_after_training_local(tmp_path):
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     card = (tmp_path / "merged" / "README.md").read_text()
     assert "library_name: transformers" in card and "me/run-lora" in card and "| 2 | 1.5 | 1,234 | 1.5 | 3.2 |" in card
+    assert "| LoRA rank (r) | 4 |" in card and "| License | unknown — check the base model's license |" in card
+    # without a hub_model_id the cards are written all the same, naming placeholders
+    cfg = FastConfig(export_artifacts=("adapter",))
+    export_after_training(trainer, cfg)
+    adapter_card = (tmp_path / "adapter" / "README.md").read_text()
+    assert f"your-hf-username/{tmp_path.name}-lora" in adapter_card and "Not on the Hub yet" in adapter_card
+    assert "[More Information Needed]" not in adapter_card  # PEFT's stub card is replaced
     trainer.is_world_process_zero = lambda: False
     assert export_after_training(trainer, cfg) is None
     assert export_after_training(SimpleNamespace(is_world_process_zero=lambda: True), FastConfig()) is None

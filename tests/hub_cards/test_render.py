@@ -91,11 +91,13 @@ def test_cards_link_each_other_and_show_stats(kind):
     assert "[trl-lib/Capybara](https://huggingface.co/datasets/trl-lib/Capybara)" in body
 
 
-def test_card_embeds_config_without_secrets():
+def test_card_embeds_config_as_a_table_without_secrets():
     text = _render("merged")
-    block = text.split("```json\n", 1)[1].split("\n```", 1)[0]
-    config = json.loads(block)
-    assert config["checkpointing"] == "offload" and config["nested"] == {"ok": 1}
+    block = text.split("<summary>fasttune configuration</summary>", 1)[1].split("</details>", 1)[0]
+    rows = dict(line.strip("|").split(" | ", 1) for line in block.strip().splitlines()[2:])
+    config = {k.strip(): v.strip() for k, v in rows.items()}
+    assert config["checkpointing"] == "offload" and json.loads(config["nested"]) == {"ok": 1}
+    assert config["push_to_hub"] == "true"
     assert "hub_token" not in config and "hf_x" not in text and "api_key" not in text
 
 
@@ -162,3 +164,61 @@ def test_merged_card_names_the_method():
     full = render_card("merged", repo_id="me/m", repos={"merged": "me/m"}, lora=False)
     assert "fine-tuned with LoRA" in lora and "adapter merged" in lora
     assert "fully fine-tuned" in full and "LoRA" not in full.split("---")[-1].split("## Usage")[0]
+
+
+FACTS = dict(datasets=["trl-lib/Capybara"], license="llama3.2 (from the card of org/Base-1B)",
+             license_meta={"license": "llama3.2"},
+             method="LoRA, SFT with TRL", hyperparameters=[("learning rate", "0.0002"), ("LoRA rank (r)", "16"),
+                                                           ("target", "q|v")],
+             evaluation=[{"metric": "exact match", "value": "91.0%", "detail": "held-out prompts"}])
+
+
+@pytest.mark.parametrize("kind", ["adapter", "merged", "gguf"])
+def test_cards_state_base_data_method_license_result_and_usage(kind):
+    from helpers.hub_card_check import validate_card
+
+    text = _render(kind, **FACTS)
+    meta, body = _front_matter(text)
+    assert validate_card(text) == ([], [])  # what the loopback Hub (and its validate-yaml) accepts
+    assert meta["license"] == "llama3.2"
+    assert "| Base model | [org/Base-1B](https://huggingface.co/org/Base-1B) |" in body
+    assert "| Method | LoRA, SFT with TRL |" in body
+    assert "| License | llama3.2 (from the card of org/Base-1B) |" in body
+    assert "| Held-out result | exact match: 91.0% |" in body
+    assert "| hyperparameter | value |" in body and "| target | q\\|v |" in body  # a table, not a JSON dump
+    assert "| exact match | 91.0% | held-out prompts |" in body
+    assert "ollama run hf.co/me/run-GGUF:" in body and "llama-cli -hf me/run-GGUF:" in body
+    usage = {"adapter": "PeftModel.from_pretrained", "merged": "AutoModelForCausalLM.from_pretrained",
+             "gguf": "Llama.from_pretrained"}[kind]
+    assert usage in body
+
+
+@pytest.mark.parametrize("kind", ["adapter", "merged", "gguf"])
+def test_a_base_without_hub_id_and_an_unknown_license_are_said_plainly(kind):
+    from helpers.hub_card_check import validate_card
+
+    note = "a local folder (my-base), so it has no Hub id"
+    text = _render(kind, base_model_id=None, base_note=note, repos={kind: REPOS[kind]}, datasets=[])
+    meta, body = _front_matter(text)
+    assert "license" not in meta and "base_model" not in meta and validate_card(text)[0] == []
+    assert f"| Base model | {note} |" in body and "| Training data | not recorded |" in body
+    assert "| License | unknown — check the base model's license |" in body
+    assert "| Held-out result | none measured |" in body and "No held-out evaluation was run." in body
+
+
+def test_unpublished_cards_say_so_and_point_gguf_at_the_base():
+    text = _render("gguf", published=False, repo_id="your-hf-username/run-GGUF",
+                   repos={"merged": "your-hf-username/run", "gguf": "your-hf-username/run-GGUF"})
+    meta, body = _front_matter(text)
+    assert meta["base_model"] == "org/Base-1B" and meta["base_model_relation"] == "finetune"
+    assert "Not on the Hub yet" in body and "fasttune push" in body
+
+
+def test_invalid_front_matter_is_caught_by_the_loopback_validator():
+    from helpers.hub_card_check import validate_card
+
+    bad = "---\nbase_model: /home/me/base\nlicense: my-own\nbase_model_relation: distilled\ntags: x\n---\n# x\n"
+    errors, _ = validate_card(bad)
+    assert len(errors) == 4 and "not a license id" in errors[0] and "not a valid repo id" in errors[1]
+    assert validate_card("# no metadata")[1] == ["empty or missing yaml metadata in repo card"]
+    assert "card data" in validate_card("---\nmodel-index: [{name: x, results: [{}]}]\n---\n")[0][0]

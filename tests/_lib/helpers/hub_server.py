@@ -9,10 +9,16 @@ consumed in order::
     server.inject("lfs_put", drop=True)                 # connection dropped mid-upload
     server.inject("commit", delay=3.0)                  # answers after 3 s (beyond a client timeout)
     server.inject("create_repo", status=500, echo_auth=True)  # error body echoes the Authorization header
+    server.inject("commit", status=500, apply=True)     # the commit lands, then the answer is a 500
+    server.inject("commit", status=429, retry_after="0")
 
 Endpoints: create_repo, validate_yaml, preupload, lfs_batch, lfs_put, lfs_verify, commit,
-model_info, tree, resolve, whoami. ``server.requests`` logs (endpoint, method, path, status).
-Clients need HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET=1 and any token (``server.tokens_seen``).
+model_info, tree, resolve, whoami, page (``GET /{repo}``: the card rendered as HTML).
+``server.requests`` logs (endpoint, method, path, status). A commit naming a ``parentCommit`` that is
+no longer the head gets 412, as on the Hub. validate-yaml checks the card for real
+(``hub_card_check.py``). ``HubServer(tokens={...})`` answers 401 to any other token, ``role="read"``
+makes whoami report a read-only token. Clients need HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET=1
+and a token (``server.tokens_seen``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin", ".png", ".pt", ".model", ".pth", ".h5")
@@ -45,6 +52,9 @@ class _Fault:
     drop: bool = False
     delay: float = 0.0
     echo_auth: bool = False
+    apply: bool = False             # handle the request, then answer ``status`` instead
+    retry_after: str | None = None  # Retry-After header of a 429
+    before: Any = None              # called with (server, route args) before the request is handled
 
 
 @dataclass
@@ -68,8 +78,8 @@ class _Repo:
 class HubServer:
     """Start with ``HubServer().start()`` (or as a context manager); ``stop()`` removes its files."""
 
-    def __init__(self, user: str = "tester") -> None:
-        self.user = user
+    def __init__(self, user: str = "tester", tokens: set[str] | None = None, role: str = "write") -> None:
+        self.user, self.tokens, self.role = user, tokens, role
         self.root = Path(tempfile.mkdtemp(prefix="fake-hub-"))
         (self.root / "lfs").mkdir()
         (self.root / "blobs").mkdir()
@@ -77,6 +87,8 @@ class HubServer:
         self.requests: list[tuple[str, str, str, int]] = []
         self.tokens_seen: set[str] = set()
         self.lfs_puts: dict[str, int] = {}
+        self.card_checks: list[tuple[str, list[str]]] = []  # (README content, errors) per validate-yaml call
+        self.in_flight = 0
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.RLock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -108,13 +120,31 @@ class HubServer:
         return f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
     def inject(self, endpoint: str, *, status: int | None = None, drop: bool = False, delay: float = 0.0,
-               times: int = 1, echo_auth: bool = False) -> None:
+               times: int = 1, echo_auth: bool = False, apply: bool = False, retry_after: str | None = "0",
+               before=None) -> None:
         """Queues ``times`` faults for ``endpoint`` (consumed one per request, in order)."""
-        if status is None and not drop and not delay:
-            raise ValueError("a fault needs status, drop or delay")
+        if status is None and not drop and not delay and before is None:
+            raise ValueError("a fault needs status, drop, delay or before")
         with self._lock:
             self._faults.setdefault(endpoint, []).extend(
-                _Fault(status, drop, delay, echo_auth) for _ in range(times))
+                _Fault(status, drop, delay, echo_auth, apply, retry_after, before) for _ in range(times))
+
+    def commit_files(self, repo_id: str, files: dict[str, bytes]) -> None:
+        """Commits ``files`` (regular ones) to ``repo_id`` directly: someone else's commit."""
+        lines = [{"key": "file", "value": {"path": p, "content": base64.b64encode(d).decode(), "encoding": "base64"}}
+                 for p, d in files.items()]
+        status, _ = self._commit(self.repos[repo_id], lines)
+        assert status == 200, status
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Returns once no request is being handled (a delayed one the client gave up on included)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def commits(self, repo_id: str) -> int:
+        """Commits made to ``repo_id`` since it was created."""
+        return len(self.repos[repo_id].commits) - 1
 
     def pending_faults(self) -> dict[str, int]:
         with self._lock:
@@ -145,9 +175,12 @@ class HubServer:
 
     def _commit(self, repo: _Repo, lines: list[dict]) -> tuple[int, dict]:
         changes: dict[str, _File | None] = {}
+        parent = None
         for item in lines:
             key, value = item.get("key"), item.get("value", {})
-            if key == "file":
+            if key == "header":
+                parent = value.get("parentCommit")
+            elif key == "file":
                 data = base64.b64decode(value["content"])
                 changes[value["path"]] = _File(len(data), None, self._store_regular(data))
             elif key == "lfsFile":
@@ -159,6 +192,8 @@ class HubServer:
             elif key in ("deletedFile", "deletedFolder"):
                 changes[value["path"]] = None
         with self._lock:
+            if parent and parent != repo.sha:
+                return 412, {"error": "A commit has happened since. Please refresh and try again."}
             for path, f in changes.items():
                 if f is None:
                     repo.files = {p: v for p, v in repo.files.items() if p != path and not p.startswith(path + "/")}
@@ -206,17 +241,24 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload=None, headers: dict | None = None, body: bytes | None = None,
               head: bool = False) -> None:
+        override = getattr(self, "_answer_override", None)
+        if override is not None:  # the request was handled; the client hears a failure
+            self._answer_override = None
+            return self._send_fault(override, "", "POST")
         if body is None:
             body = json.dumps(payload if payload is not None else {}).encode()
             headers = {"Content-Type": "application/json", **(headers or {})}
-        self.send_response(status)
-        for k, v in (headers or {}).items():
-            self.send_header(k, str(v))
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-        self._status = status
+        self._status = status  # what the server answered, even when the client has gone
+        try:
+            self.send_response(status)
+            for k, v in (headers or {}).items():
+                self.send_header(k, str(v))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            self.close_connection = True
 
     def _drop(self) -> None:
         self.close_connection = True
@@ -239,6 +281,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", r"/(?P<repo>[^/]+/[^/]+)\.git/info/lfs/objects/batch", "lfs_batch"),
             ("PUT", r"/_lfs/(?P<oid>[0-9a-f]{64})", "lfs_put"),
             ("POST", r"/_lfs/(?P<oid>[0-9a-f]{64})/verify", "lfs_verify"),
+            ("GET", r"/(?P<repo>[^/]+/[^/]+)", "page"),
             ("GET", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
             ("HEAD", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
         ]
@@ -249,7 +292,9 @@ class _Handler(BaseHTTPRequestHandler):
         return None, {}
 
     def _handle(self, method: str) -> None:
-        self._status = 0
+        self._status, self._answer_override = 0, None
+        with self.hub._lock:
+            self.hub.in_flight += 1
         endpoint, args = self._route(method)
         auth = self.headers.get("Authorization", "")
         if auth.startswith("Bearer "):
@@ -258,7 +303,15 @@ class _Handler(BaseHTTPRequestHandler):
             if endpoint is None:
                 self._send(404, {"error": f"no route {method} {self.path}"})
                 return
+            if self.hub.tokens is not None and endpoint not in ("lfs_put", "page") \
+                    and auth[len("Bearer "):] not in self.hub.tokens:
+                if method in ("POST", "PUT"):
+                    self._body()
+                self._send(401, {"error": "Invalid credentials in Authorization header"}, head=method == "HEAD")
+                return
             fault = self.hub._take_fault(endpoint)
+            if fault is not None and fault.before is not None:
+                fault.before(self.hub, args)
             if fault is not None and fault.delay:
                 time.sleep(fault.delay)
             if fault is not None and fault.drop:
@@ -266,19 +319,25 @@ class _Handler(BaseHTTPRequestHandler):
                     self._body(limit=max(1, int(self.headers.get("Content-Length") or 2) // 2))
                 self._drop()
                 return
-            if fault is not None and fault.status:
+            if fault is not None and fault.status and fault.apply:
+                self._answer_override = fault
+            elif fault is not None and fault.status:
                 if method in ("POST", "PUT"):
                     self._body()
-                body = {"error": "injected fault"}
-                if fault.echo_auth:
-                    body["error"] += f" (request had Authorization: {auth})"
-                headers = {"Retry-After": "0"} if fault.status == 429 else {}
-                self._send(fault.status, body, headers, head=method == "HEAD")
+                self._send_fault(fault, auth, method)
                 return
             getattr(self, f"_ep_{endpoint}")(args, method)
         finally:
             with self.hub._lock:
                 self.hub.requests.append((endpoint or "?", method, self.path, self._status))
+                self.hub.in_flight -= 1
+
+    def _send_fault(self, fault: _Fault, auth: str, method: str) -> None:
+        body = {"error": "injected fault"}
+        if fault.echo_auth:
+            body["error"] += f" (request had Authorization: {auth})"
+        headers = {"Retry-After": fault.retry_after} if fault.status == 429 and fault.retry_after is not None else {}
+        self._send(fault.status, body, headers, head=method == "HEAD")
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -301,7 +360,8 @@ class _Handler(BaseHTTPRequestHandler):
     # --- endpoints -----------------------------------------------------------------------------
     def _ep_whoami(self, args, method) -> None:
         self._send(200, {"type": "user", "name": self.hub.user, "fullname": "Test User", "orgs": [],
-                         "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": "write"}}})
+                         "auth": {"type": "access_token",
+                                  "accessToken": {"displayName": "test", "role": self.hub.role}}})
 
     def _ep_create_repo(self, args, method) -> None:
         req = json.loads(self._body() or b"{}")
@@ -316,14 +376,26 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"url": url, "name": repo_id})
 
     def _ep_validate_yaml(self, args, method) -> None:
+        from .hub_card_check import validate_card
+
         req = json.loads(self._body() or b"{}")
-        content = req.get("content", "")
-        try:
-            _card_data(content.encode())
-        except Exception as e:  # noqa: BLE001 - any YAML error is a 400 like the Hub's
-            self._send(400, {"errors": [{"message": f"invalid YAML: {e}"}], "warnings": []})
+        errors, warnings = validate_card(req.get("content", ""), req.get("repoType") or "model")
+        with self.hub._lock:
+            self.hub.card_checks.append((req.get("content", ""), errors))
+        warn = [{"message": w} for w in warnings]
+        if errors:
+            self._send(400, {"errors": [{"message": e} for e in errors], "warnings": warn})
             return
-        self._send(200, {"warnings": [], "errors": []})
+        self._send(200, {"warnings": warn, "errors": []})
+
+    def _ep_page(self, args, method) -> None:
+        from .hub_card_check import render_card
+
+        repo = self._repo(args["repo"])
+        if repo is None or "README.md" not in repo.files:
+            return self._not_found()
+        html = render_card(self.hub.file_bytes(repo.repo_id, "README.md").decode(), repo.repo_id, self.hub.url)
+        self._send(200, headers={"Content-Type": "text/html; charset=utf-8"}, body=html.encode())
 
     def _ep_preupload(self, args, method) -> None:
         req = json.loads(self._body() or b"{}")
