@@ -98,12 +98,12 @@ def test_callback_takes_a_dict_and_rejects_other_types():
 @pytest.fixture
 def no_merge(monkeypatch):
     """Any merge work at all fails the test: a bad path must be refused before it."""
-    from fasttune.hf_integration import export
+    from fasttune.export import merged
 
     def refuse(*_a, **_k):
         raise AssertionError("merge work started before the output path was checked")
 
-    monkeypatch.setattr(export, "model_weights", refuse)
+    monkeypatch.setattr(merged, "model_weights", refuse)
 
 
 def test_save_merged_onto_an_existing_file(tmp_path, no_merge):

@@ -114,8 +114,10 @@ def test_lora_on_frozen_embeddings_without_input_require_grads(device, model_typ
     _assert_same(got, ref)
 
 
-# The text rows (the vision-language rows' checkpointing: test_vision.py).
-@pytest.mark.parametrize("model_type", sorted(t for t, spec in FAMILIES.items() if spec.vision is None))
+# The dense text rows (the vision-language rows' checkpointing: test_vision.py; the MoE rows' experts: test_moe.py).
+@pytest.mark.parametrize(
+    "model_type", sorted(t for t, spec in FAMILIES.items() if spec.vision is None and spec.moe_block_class is None)
+)
 def test_lora_recompute_skips_the_unused_down_projection_exactly(model_type, monkeypatch):
     """Fused LoRA under recompute: families whose MLP output only enters the residual skip the down
     product in the recompute (the MLP Function sees output_unused=True there, once per layer);
