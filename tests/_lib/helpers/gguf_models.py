@@ -58,3 +58,30 @@ def gguf_model(family: str, **overrides):
                 p.normal_(0.0, 0.05)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
     return get_peft_model(model, lora).eval()
+
+
+# Mixture-of-experts families GGUF export writes: model_type → (GGUF arch, config extras).
+MOE_DIMS = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2,
+                tie_word_embeddings=False)
+MOE = {
+    "qwen3_moe": ("qwen3moe", dict(num_experts=4, moe_intermediate_size=128, intermediate_size=512,
+                                   norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1)),
+    "mixtral": ("llama", dict(num_local_experts=4, intermediate_size=128, sliding_window=None)),
+}
+
+
+def gguf_moe_model(family: str, **overrides):
+    """A tiny random MoE model with LoRA on attention and on the stacked experts, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **{**MOE_DIMS, **MOE[family][1], **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2).add_(1.0) if "norm" in name else p.normal_(0.0, 0.05)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return get_peft_model(model, lora).eval()
