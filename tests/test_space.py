@@ -80,8 +80,9 @@ def test_default_run_is_the_yaml_demo_recipe(app_module):
 
     space = RunConfig.from_dict(app_module.DEFAULT_RUN)
     demo = load_run_config(ROOT / "examples" / "configs" / "sft_embedded.yaml")
-    assert (space.model.base, space.data.dataset, space.trainer, space.method) == \
-        (demo.model.base, demo.data.dataset, demo.trainer, demo.method) == ("embedded", "embedded", "sft", "full")
+    assert (space.model.base, space.model.dtype, space.data.dataset, space.trainer, space.method) == \
+        (demo.model.base, demo.model.dtype, demo.data.dataset, demo.trainer, demo.method) == \
+        ("embedded", "float32", "embedded", "sft", "full")
     assert (space.data.max_samples or EMBEDDED_ROWS) == demo.data.max_samples
     for key in ("learning_rate", "max_steps", "per_device_train_batch_size", "lr_scheduler_type", "warmup",
                 "weight_decay", "seed", "max_length", "optim", "max_grad_norm", "gradient_accumulation_steps"):

@@ -317,7 +317,7 @@ def _num(path: str, label: str, value, **kw):
 # The form's defaults: the embedded model fully fine-tuned on the embedded task, the recipe of
 # examples/configs/sft_embedded.yaml (a random base has nothing for LoRA to adapt). About 200 steps
 # take held-out exact match from 0% to above 90% in a minute or two on a 2-core CPU.
-DEFAULT_RUN = {"run_name": "shift-sft", "method": "full", "training": {
+DEFAULT_RUN = {"run_name": "shift-sft", "method": "full", "model": {"dtype": "float32"}, "training": {
     "max_steps": 200, "learning_rate": 3e-3, "per_device_train_batch_size": 32, "max_length": 64,
     "logging_steps": 2, "lr_scheduler_type": "cosine", "warmup": 0.05, "seed": 0}}
 
