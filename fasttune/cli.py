@@ -149,6 +149,10 @@ def cmd_train(args) -> int:
     metrics = state.get("metrics", {})
     summary = {k: metrics.get(k) for k in ("global_step", "first_loss", "last_loss", "exact_match") if k in metrics}
     print(f"fasttune: run {state['status']}: {json.dumps(summary)}")
+    if metrics.get("exact_match") is not None:
+        from .embedded import describe_exact_match
+
+        print(f"fasttune: {describe_exact_match(metrics['exact_match'], metrics.get('exact_match_rows'))}")
     for kind, url in (state.get("urls") or {}).items():
         print(f"fasttune: pushed {kind}: {url}")
     return EXIT_STOPPED if state["status"] == "stopped" else EXIT_OK

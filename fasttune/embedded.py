@@ -1,10 +1,14 @@
 """The embedded default: a small model, tokenizer and task built in-process, with no download.
 
 The task ("shift"): each letter of a short lowercase word moves one place along the alphabet,
-``"shift: cab =" -> " dbc"``. A randomly initialised model gets ~0% exact match; a couple of
-minutes of fine-tuning on a CPU lift that well above zero, so the quickstart shows the loss
-falling and a held-out metric rising. Used by ``examples/quickstart.py``, the CLI, the Space and
-the tests.
+prompt ``"cab ="`` → completion ``" dbc"``. A randomly initialised model gets 0% exact match; about
+200 steps of full fine-tuning (a minute or two on a 2-core CPU) take it above 90% on words it never
+saw, so the demos show the loss falling and a held-out metric rising. Used by
+``examples/quickstart.py``, the YAML demo, the CLI, the Space and the tests.
+
+The prompt is the bare word: no instruction text. Lowercase letters in a fixed prefix (an earlier
+``"shift: cab ="``) give the model's copy-the-next-letter circuit false matches, and the same
+model then needed 2-3x more steps, with seeds that never got there.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import string
 import torch
 
 LETTERS = string.ascii_lowercase
+SEPARATOR = "Ġ="  # the merged " =" token (byte-level spelling)
+HELD_OUT_ROWS = 200
 CHAT_TEMPLATE = (
-    "{% for m in messages %}"
+    "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
     "{% endif %}{% endfor %}"
@@ -27,28 +33,69 @@ def shift_word(word: str) -> str:
     return "".join(LETTERS[(LETTERS.index(c) + 1) % 26] for c in word)
 
 
-def make_task(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
-    """``n`` prompt/completion pairs of the shift task (disjoint words for different seeds mostly)."""
+def prompt_for(word: str) -> str:
+    return f"{word} ="
+
+
+def word_of(prompt: str) -> str:
+    """The word of a task prompt (``"cab ="`` → ``"cab"``)."""
+    return prompt.removesuffix(" =")
+
+
+def _words(seed: int, min_len: int, max_len: int):
     rng = random.Random(seed)
+    while True:
+        yield "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+
+
+def make_task(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+    """``n`` prompt/completion pairs of the shift task (random words; a word may repeat)."""
+    words = _words(seed, min_len, max_len)
+    return [{"prompt": prompt_for(w), "completion": " " + shift_word(w)} for w, _ in zip(words, range(n))]
+
+
+def held_out_task(train_rows: list[dict[str, str]], n: int = HELD_OUT_ROWS, seed: int = 10_000,
+                  min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+    """``n`` distinct words that none of ``train_rows`` (their prompts) contains, as task rows."""
+    seen = {r["prompt"] for r in train_rows}
     rows = []
-    for _ in range(n):
-        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
-        rows.append({"prompt": f"shift: {word} =", "completion": " " + shift_word(word)})
+    for w in _words(seed, min_len, max_len):
+        if len(rows) == n:
+            return rows
+        if prompt_for(w) not in seen:
+            seen.add(prompt_for(w))
+            rows.append({"prompt": prompt_for(w), "completion": " " + shift_word(w)})
     return rows
 
 
+def describe_exact_match(score: float, n: int | None = HELD_OUT_ROWS) -> str:
+    """What the held-out metric says, in words, for logs and UIs (``n``: how many words; None if unknown)."""
+    count = f"{n} " if n else ""
+    return (f"held-out exact match {score:.1%}: the share of {count}unseen words whose shifted spelling "
+            f"the model generates exactly (greedy decoding)")
+
+
 def build_tokenizer():
-    """A character-level byte-BPE tokenizer trained in-process (≈10 ms), with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A character-level byte-level BPE tokenizer built in-process (no training, ~1 ms), with a chat template.
+
+    Every byte is its own token (so the task's letters stay single tokens) and there is one merge,
+    ``"Ġ" + "=" -> "Ġ="``: the prompt's closing " =" becomes one token that occurs nowhere else.
+    A byte-level BPE needs at least one merge to be expressed in GGUF (llama.cpp refuses a "gpt2"
+    vocabulary without merges). BOS is added by the post-processor, as Llama's tokenizers do, so
+    TRL's tokenization, ``encode`` and llama.cpp all see ``<s>`` first.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token=None))
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab[SEPARATOR] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "=")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    # No merges beyond the byte alphabet: one token per character keeps the task learnable.
-    trainer = trainers.BpeTrainer(vocab_size=1, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([LETTERS + " :="], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", vocab["<s>"])])
+    tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "right"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up .venv and fine-tune the embedded default (about two minutes on a CPU).
+# The main job: set up .venv and fine-tune the embedded default (about a minute of training on a CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh "${FASTTUNE_EXTRAS:-dev}"

@@ -155,6 +155,7 @@ def test_train_writes_a_complete_run_folder(trained_run):
     run_dir, proc = trained_run
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "fasttune: run completed:" in proc.stdout
+    assert "fasttune: held-out exact match" in proc.stdout and "200 unseen words" in proc.stdout
     for name in ("run_config.yaml", "fast_config.json", "state.json", "metrics.json", "trainer_state.json",
                  "log_history.jsonl", "train.log", "final/adapter_config.json", "final/adapter_model.safetensors",
                  "final/tokenizer.json", "base/config.json"):
@@ -165,6 +166,7 @@ def test_train_writes_a_complete_run_folder(trained_run):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["global_step"] == 8 and metrics["last_loss"] < metrics["first_loss"]
     assert metrics["patched"]["cross_entropy"] == 1 and 0.0 <= metrics["exact_match"] <= 1.0
+    assert metrics["exact_match_rows"] == 200
     assert json.loads((run_dir / "fast_config.json").read_text())["hub_model_id"] == "tester/cli-sft"
     assert yaml.safe_load((run_dir / "run_config.yaml").read_text())["training"]["max_steps"] == 8
 
@@ -248,3 +250,32 @@ def test_doctor_reports_this_machine():
         assert set(info["kernels"].values()) == {"reference (no CUDA device)"}  # TRITON_INTERPRET unset
     assert info["families"] == sorted(FAMILIES)
     assert {r["family"] for r in info["dry_patch"]} == set(FAMILIES) | {"llama + LoRA"}
+
+
+@pytest.mark.slow
+def test_the_documented_demo_learns_and_its_gguf_runs_in_llama_cpp(tmp_path):
+    """The README's flow as a user types it: `fasttune train examples/configs/sft_embedded.yaml`
+    (200 steps of full fine-tuning, ~40 s of training on a 2-core CPU; exports merged + GGUF Q8_0),
+    then the GGUF in llama.cpp. The run must reach >= 80% held-out exact match (words it never
+    trained on), say what that measures, and the GGUF must answer a held-out word like the model."""
+    from fasttune.embedded import held_out_task, make_task
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF and llama.cpp)")
+    run_dir = tmp_path / "demo"
+    proc = _fasttune("train", ROOT / "examples" / "configs" / "sft_embedded.yaml", "--run-dir", run_dir, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["exact_match_rows"] == 200 and metrics["exact_match"] >= 0.8, metrics
+    assert metrics["last_loss"] < 0.05 * metrics["first_loss"]
+    assert "the share of 200 unseen words whose shifted spelling the model generates exactly" in proc.stdout
+    ggufs = list((run_dir / "gguf").glob("*.gguf"))
+    assert [p.name for p in ggufs] == ["sft-embedded-Q8_0.gguf"]
+    cfg = yaml.safe_load((run_dir / "run_config.yaml").read_text())
+    held = held_out_task(make_task(cfg["data"]["max_samples"], seed=cfg["training"]["seed"]))
+    llm = llama_cpp.Llama(model_path=str(ggufs[0]), n_ctx=64, verbose=False, n_threads=1)
+    try:
+        answers = [llm(r["prompt"], max_tokens=8, temperature=0.0)["choices"][0]["text"] for r in held[:20]]
+    finally:
+        llm.close()
+    right = sum(a == r["completion"] for a, r in zip(answers, held))
+    assert right >= 14, list(zip(answers, held[:20]))  # the HF model gets >= 80% of all 200

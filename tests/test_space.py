@@ -72,6 +72,26 @@ def test_form_round_trips_the_cli_config(app_module, data):
         "model.base", "data.dataset", "trainer", "method", "lora.r", "training.learning_rate", "fast.hub_model_id"}
 
 
+def test_default_run_is_the_yaml_demo_recipe(app_module):
+    """The form's defaults train what examples/configs/sft_embedded.yaml trains (measured there to
+    reach >= 80% held-out exact match), and a finished run says what its metric measures."""
+    from fasttune.run.config import load_run_config
+    from fasttune.run.data import EMBEDDED_ROWS
+
+    space = RunConfig.from_dict(app_module.DEFAULT_RUN)
+    demo = load_run_config(ROOT / "examples" / "configs" / "sft_embedded.yaml")
+    assert (space.model.base, space.model.dtype, space.data.dataset, space.trainer, space.method) == \
+        (demo.model.base, demo.model.dtype, demo.data.dataset, demo.trainer, demo.method) == \
+        ("embedded", "float32", "embedded", "sft", "full")
+    assert (space.data.max_samples or EMBEDDED_ROWS) == demo.data.max_samples
+    for key in ("learning_rate", "max_steps", "per_device_train_batch_size", "lr_scheduler_type", "warmup",
+                "weight_decay", "seed", "max_length", "optim", "max_grad_norm", "gradient_accumulation_steps"):
+        assert getattr(space.training, key) == getattr(demo.training, key), key
+    done = app_module.result_md({"status": "completed", "metrics": {
+        "global_step": 200, "first_loss": 4.7, "last_loss": 0.01, "exact_match": 0.985, "exact_match_rows": 200}})
+    assert "held-out exact match 98.5%: the share of 200 unseen words whose shifted spelling" in done
+
+
 def test_form_checks_before_launch(app_module, tmp_path, monkeypatch):
     paths = app_module.demo.form_paths
     values = app_module.dict_to_form(paths, RunConfig())

@@ -243,7 +243,7 @@ def result_md(state: dict) -> str:
         m = state.get("metrics") or {}
         lines.append(f"✅ **Completed** {m.get('global_step', state.get('step'))} steps, loss "
                      f"{_fmt(m.get('first_loss'))} → {_fmt(m.get('last_loss'))}"
-                     + (f", held-out exact match {m['exact_match']:.0%}" if m.get("exact_match") is not None else ""))
+                     + (f"; {_exact_match_note(m)}" if m.get("exact_match") is not None else ""))
     for kind, folder in (state.get("artifacts") or {}).items():
         lines.append(f"- {kind}: `{folder}`")
     for kind, url in (state.get("urls") or {}).items():
@@ -251,6 +251,12 @@ def result_md(state: dict) -> str:
     if state.get("run_dir"):
         lines.append(f"\nRun folder: `{state['run_dir']}`")
     return "\n".join(lines)
+
+
+def _exact_match_note(metrics: dict) -> str:
+    from fasttune.embedded import describe_exact_match
+
+    return describe_exact_match(metrics["exact_match"], metrics.get("exact_match_rows"))
 
 
 def _fmt(x) -> str:
@@ -308,10 +314,16 @@ def _num(path: str, label: str, value, **kw):
     return gr.Number(value=value, label=label, info=HELP.get(path), elem_id=path.replace(".", "-"), **kw)
 
 
+# The form's defaults: the embedded model fully fine-tuned on the embedded task, the recipe of
+# examples/configs/sft_embedded.yaml (a random base has nothing for LoRA to adapt). About 200 steps
+# take held-out exact match from 0% to above 90% in a minute or two on a 2-core CPU.
+DEFAULT_RUN = {"run_name": "shift-sft", "method": "full", "model": {"dtype": "float32"}, "training": {
+    "max_steps": 200, "learning_rate": 3e-3, "per_device_train_batch_size": 32, "max_length": 64,
+    "logging_steps": 2, "lr_scheduler_type": "cosine", "warmup": 0.05, "seed": 0}}
+
+
 def build_app() -> gr.Blocks:
-    defaults = RunConfig.from_dict({"run_name": "shift-sft", "method": "full", "training": {
-        "max_steps": 60, "learning_rate": 3e-3, "per_device_train_batch_size": 32, "max_length": 64,
-        "logging_steps": 2, "lr_scheduler_type": "cosine", "warmup": 0.05, "seed": 0}})
+    defaults = RunConfig.from_dict(DEFAULT_RUN)
     fields: list[tuple[str, gr.components.Component]] = []
 
     def add(path, comp):
@@ -322,7 +334,7 @@ def build_app() -> gr.Blocks:
         add("*", gr.State({}))
         gr.Markdown("# fasttune · fine-tune an LLM\nSFT or DPO with LoRA, QLoRA or full fine-tuning on fasttune's "
                     "kernels; export adapter / merged / GGUF and push to the Hub. The defaults train the embedded "
-                    "model on the embedded task offline, on a CPU, in about half a minute.")
+                    "model on the embedded task offline, on a CPU, in a minute or two.")
         if hub_offline():
             gr.Markdown("⚠️ **HF_HUB_OFFLINE is set**: Hub models and datasets that are not cached cannot be used.")
         with gr.Row():

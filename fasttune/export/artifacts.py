@@ -16,9 +16,11 @@ from typing import Sequence
 from ..config import ARTIFACTS
 from .adapter import save_adapter
 from .gguf import save_gguf
+from .gguf_tokenizer import gguf_vocab
 from .leftovers import export_lock, remove_stranded
 from .manifest import artifact_files, gguf_quants, write_manifest
 from .merged import save_merged
+from .merged_weights import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ def export_artifacts(model, tokenizer, root: str | Path, artifacts: Sequence[str
     if bad:
         raise ValueError(f"artifacts: {bad} not in {ARTIFACTS}")
     root = Path(root)
+    n_vocab = getattr(unwrap_model(model).config, "vocab_size", None)
+    if "gguf" in artifacts and tokenizer is not None and n_vocab:
+        gguf_vocab(tokenizer, n_vocab)  # a tokenizer GGUF cannot hold is refused before anything is written
     out: dict[str, Path] = {}
     with export_lock(root):
         remove_stranded(root)

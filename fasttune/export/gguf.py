@@ -14,7 +14,8 @@ downloaded and llama.cpp is never built behind the user's back.
 Files are streamed: every tensor is computed (LoRA merged, arch transform applied), quantised and
 written for all requested types before the next one is read, and each file is written under a
 temporary name and renamed when complete. Arch-specific knowledge lives in ``gguf_arch.py``, the
-vocabulary in ``gguf_tokenizer.py``.
+vocabulary in ``gguf_tokenizer.py``; a tokenizer llama.cpp could not reproduce is refused before any
+file is opened.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch import nn
 
 from . import gguf_arch
 from .atomic import atomic_path, fsync_dir
-from .gguf_tokenizer import add_tokenizer
+from .gguf_tokenizer import GGUFVocab, gguf_vocab, write_vocab
 from .merged_weights import WeightEntry, checkpoint_weights, model_weights, unwrap_model
 from .write_errors import free_bytes, naming_write_errors
 
@@ -208,7 +209,7 @@ def _encode(data: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
-def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokenizer, plan: list[_Tensor],
+def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], vocab: GGUFVocab, plan: list[_Tensor],
                  name: str, base_model_id: str | None):
     """A GGUFWriter on ``path`` with header, metadata and tensor infos written; returns it and the
     bytes of tensor data still to come (for the space a full disk would need)."""
@@ -216,7 +217,7 @@ def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokeniz
 
     w = gguf.GGUFWriter(path=None, arch=arch)
     w.add_type("model")
-    w.add_name(_safe_general_name(name, tokenizer))
+    w.add_name(_safe_general_name(name, vocab))
     if base_model_id:
         w.add_base_model_count(1)
         w.add_base_model_name(0, base_model_id.split("/")[-1])
@@ -224,7 +225,7 @@ def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokeniz
     w.add_file_type(_file_type(quant))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     gguf_arch.write_arch_metadata(w, cfg, arch)
-    add_tokenizer(w, tokenizer, cfg["vocab_size"])
+    write_vocab(w, vocab)
     data_bytes = 0
     for t in plan:
         qtype = _tensor_type(quant, t)
@@ -243,13 +244,12 @@ def _open_writer(path: Path, arch: str, quant: str, cfg: dict[str, Any], tokeniz
     return w, data_bytes
 
 
-def _safe_general_name(name: str, tokenizer) -> str:
+def _safe_general_name(name: str, vocab: GGUFVocab) -> str:
     """llama.cpp applies Phi-3 token attributes to any model whose general.name contains "phi3"/"phi-3"
     and aborts when the Phi-3 special tokens are missing; keep such names only for Phi-3 vocabularies."""
     if not any(s in name.lower() for s in ("phi3", "phi-3")):
         return name
-    vocab = tokenizer.get_vocab()
-    if all(t in vocab for t in ("</s>", "<unk>", "<s>", "<|endoftext|>")):
+    if {"</s>", "<unk>", "<s>", "<|endoftext|>"} <= set(vocab.tokens):
         return name
     return name.replace("phi3", "phi_3").replace("Phi3", "Phi_3").replace("phi-3", "phi_3").replace("Phi-3", "Phi_3")
 
@@ -284,12 +284,17 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
 
     Returns:
         The written paths, ``<out_dir>/<name>-<QUANT>.gguf``, in the order requested.
+
+    Raises:
+        ValueError: a quantisation type, model type or tokenizer that GGUF/llama.cpp cannot express
+            (checked before anything is written; the message says why).
     """
     quants = _check_quants(quantizations)
     config, entries, tokenizer, default_name = _source(model_or_dir, tokenizer)
     cfg = config.to_dict()
     cfg.setdefault("model_type", getattr(config, "model_type", None))
     arch = _arch_for(cfg)
+    vocab = gguf_vocab(tokenizer, cfg["vocab_size"])  # a tokenizer llama.cpp cannot reproduce stops here
     name = name or default_name
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -308,7 +313,7 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
         stack.callback(lambda: [w.close() for w in writers])  # closed before the renames
         for (q, final), tmp in zip(targets, tmp_paths):
             with naming_write_errors(final):
-                w, data_bytes = _open_writer(tmp, arch, q, cfg, tokenizer, plan, name, base_model_id)
+                w, data_bytes = _open_writer(tmp, arch, q, cfg, vocab, plan, name, base_model_id)
             writers.append(w)
             # each file's own path and size in the message when the disk fills up while writing it
             expected = tmp.stat().st_size + data_bytes

@@ -26,12 +26,12 @@ EMBEDDED_ROWS = 2000
 def embedded_rows(trainer: str, n: int = EMBEDDED_ROWS, seed: int = 0) -> list[dict[str, str]]:
     """The embedded shift task: prompt/completion rows for sft, prompt/chosen/rejected for dpo
     (the rejected answer repeats the word unshifted, a plausible wrong answer)."""
-    from ..embedded import make_task
+    from ..embedded import make_task, word_of
 
     rows = make_task(n, seed=seed)
     if trainer == "dpo":
         return [{"prompt": r["prompt"], "chosen": r["completion"],
-                 "rejected": " " + r["prompt"].split()[1]} for r in rows]
+                 "rejected": " " + word_of(r["prompt"])} for r in rows]
     return rows
 
 

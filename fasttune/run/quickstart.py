@@ -28,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset", default=None, help="Hub dataset id or local json/csv with prompt/completion")
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--completion-column", default="completion")
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-size", type=int, default=200, help="held-out rows for exact match")
@@ -52,16 +52,23 @@ def _load(args):
         dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         lora = True
-    if args.dataset is None:
-        rows = embedded.make_task(args.steps * args.batch_size // 4 + args.eval_size, seed=args.seed)
-    else:
-        from datasets import load_dataset
+    if args.dataset is None:  # held-out words are ones the training rows never contain
+        train = embedded.make_task(max(args.steps * args.batch_size // 4, 1), seed=args.seed)
+        return model, tok, train, embedded.held_out_task(train, args.eval_size, seed=args.seed + 10_000), lora
+    from datasets import load_dataset
 
-        path = Path(args.dataset)
-        ds = (load_dataset(path.suffix.lstrip("."), data_files=str(path))["train"] if path.exists()
-              else load_dataset(args.dataset, split="train"))
-        rows = [{"prompt": r[args.prompt_column], "completion": r[args.completion_column]} for r in ds]
+    path = Path(args.dataset)
+    ds = (load_dataset(path.suffix.lstrip("."), data_files=str(path))["train"] if path.exists()
+          else load_dataset(args.dataset, split="train"))
+    rows = [{"prompt": r[args.prompt_column], "completion": r[args.completion_column]} for r in ds]
     return model, tok, rows[args.eval_size:], rows[:args.eval_size], lora
+
+
+def _describe(score: float, n: int, dataset) -> str:
+    if dataset is None:
+        return embedded.describe_exact_match(score, n)
+    return (f"held-out exact match {score:.1%}: the share of the first {n} rows whose completion the model "
+            f"generates exactly")
 
 
 def run(argv=None) -> dict:
@@ -82,7 +89,7 @@ def run(argv=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     before = embedded.exact_match(model, tok, eval_rows)
-    print(f"held-out exact match before training: {before:.1%}")
+    print(f"before training: {_describe(before, len(eval_rows), args.dataset)}")
 
     out = Path(args.output_dir)
     targs = TrainingArguments(
@@ -101,8 +108,9 @@ def run(argv=None) -> dict:
     seconds = time.perf_counter() - start
     after = embedded.exact_match(model, tok, eval_rows)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {seconds:.0f} s "
-          f"({result.global_step} steps); held-out exact match {before:.1%} -> {after:.1%}")
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {seconds:.0f} s ({result.global_step} steps); "
+          f"held-out exact match {before:.1%} -> {after:.1%}")
+    print(f"after training: {_describe(after, len(eval_rows), args.dataset)}")
 
     final = out / "final"
     trainer.save_model(str(final))

@@ -18,9 +18,9 @@ from .sources import EMBEDDED, classify_dataset, classify_model
 EMBEDDED_BASE = ("fasttune's embedded demo model (a tiny Llama-style model with random weights, built "
                  "in-process); it has no Hub id")
 EMBEDDED_DATA = ("fasttune's embedded shift task: each letter of a word moved one place on "
-                 "(prompt `shift: abc =`, completion ` bcd`)")
-EXACT_MATCH = ("share of held-out prompts of the embedded task (never trained on) whose greedy completion "
-               "equals the reference exactly")
+                 "(prompt `abc =`, completion ` bcd`)")
+EXACT_MATCH = ("share of {n}held-out words of the embedded task (never trained on) whose greedy completion "
+               "is exactly the shifted word")
 METHODS = {"lora": "LoRA", "qlora": "QLoRA (LoRA on a 4-bit NF4 base)", "full": "full fine-tuning"}
 
 
@@ -92,9 +92,11 @@ def evaluation_rows(folder: RunFolder) -> list[dict[str, str]]:
     from ..export.card_facts import eval_from_history
 
     rows = []
-    exact = read_metrics(folder).get("exact_match")
+    metrics = read_metrics(folder)
+    exact, n = metrics.get("exact_match"), metrics.get("exact_match_rows")
     if isinstance(exact, (int, float)):
-        rows.append({"metric": "exact match", "value": f"{exact:.1%}", "detail": EXACT_MATCH})
+        rows.append({"metric": "exact match", "value": f"{exact:.1%}",
+                     "detail": EXACT_MATCH.format(n=f"{n} " if isinstance(n, int) and n else "")})
     try:
         history = json.loads(folder.trainer_state.read_text(encoding="utf-8")).get("log_history", [])
     except (OSError, ValueError):

@@ -176,9 +176,7 @@ def _run(cfg: RunConfig, folder: RunFolder, stop: StopSignal):
                "train_runtime": result.metrics.get("train_runtime"), "stopped": stop.requested,
                "trainer_class": type(trainer).__name__, **_patch_summary(trainer)}
     if cfg.trainer == "sft" and cfg.data.dataset == EMBEDDED and not stop.requested:
-        from ..embedded import exact_match, make_task
-
-        metrics["exact_match"] = exact_match(trainer.model, tok, make_task(64, seed=cfg.training.seed + 10_000))
+        metrics.update(_held_out_exact_match(trainer.model, tok, dataset))
     folder.write_state(metrics=metrics, step=trainer.state.global_step)
     if not is_main_process():
         return  # files, export and Hub work are rank 0's
@@ -191,6 +189,14 @@ def _run(cfg: RunConfig, folder: RunFolder, stop: StopSignal):
     _free_memory()
     folder.write_state(status="exporting")
     _export_and_push(cfg, folder)
+
+
+def _held_out_exact_match(model, tok, dataset) -> dict[str, Any]:
+    """The embedded task's held-out metric: greedy answers to words the run never trained on."""
+    from ..embedded import exact_match, held_out_task
+
+    rows = held_out_task([{"prompt": p} for p in dataset["prompt"]])
+    return {"exact_match": exact_match(model, tok, rows), "exact_match_rows": len(rows)}
 
 
 def _free_memory() -> None:

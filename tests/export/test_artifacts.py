@@ -56,3 +56,20 @@ def test_gguf_types_of_the_same_weights_accumulate(tmp_path):
     assert export(("f16",), "weights-1") == ["run-F16.gguf"]
     assert export(("q8_0", "q4_0"), "weights-1") == ["run-F16.gguf", "run-Q4_0.gguf", "run-Q8_0.gguf"]
     assert export(("q8_0",), "weights-2") == ["run-Q8_0.gguf"]  # retrained: the others are of the old weights
+
+
+def test_a_tokenizer_gguf_cannot_hold_is_refused_before_any_artifact(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    model = get_peft_model(tiny_model("llama", vocab_size=1000),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    raw = Tokenizer(models.BPE())  # byte-level without merges: llama.cpp refuses it
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["abc"], trainer=trainers.BpeTrainer(
+        vocab_size=1, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>")
+    with pytest.raises(ValueError, match="without merges"):
+        export_artifacts(model, tok, tmp_path, ["adapter", "merged", "gguf"], name="x")
+    assert list(tmp_path.iterdir()) == []

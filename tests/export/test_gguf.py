@@ -1,26 +1,26 @@
 """GGUF export: every family read back with GGUFReader (names, shapes, metadata, dequantised values
-against PEFT's own merge) and loaded by llama.cpp (llama-cpp-python) with logits matching the HF
-model; tokenizers round-trip through llama.cpp; K-quants through llama.cpp's quantizer.
+against PEFT's own merge); RoPE variants and tokenizers (chat prompts with special tokens)
+through llama.cpp; K-quants through llama.cpp's quantizer. Every family and type loaded in
+llama.cpp with logits compared: test_gguf_llama_cpp.py.
 
 Tiny models here use widths that are multiples of 256 (K-quant rows) and in-process tokenizers
 llama.cpp recognises (byte-level BPE "gpt2" and SentencePiece-style "llama").
 """
 
 import copy
-import functools
 import sys
 
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import gguf
 from fasttune.export import gguf as ft_gguf
-from fasttune.export.merged import save_merged
 from fasttune.export.gguf import save_gguf
-from helpers.tiny_tokenizers import bpe_tokenizer, sp_model_bytes, sp_tokenizer
+from fasttune.export.merged import save_merged
+from helpers.gguf_models import ARCH, DIMS, FAMILIES, SP_FAMILIES, TIED, gguf_model, gguf_tokenizer
+from helpers.tiny_tokenizers import sp_model_bytes, sp_tokenizer
 
 try:
     import llama_cpp
@@ -28,44 +28,15 @@ except ImportError:  # CI installs it (see docs/FACTS.md, GGUF and llama.cpp for
     llama_cpp = None
 needs_llama_cpp = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF and llama.cpp)")
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
-ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
-SP_FAMILIES = {"mistral", "gemma", "gemma2", "gemma3_text"}
-TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"}
-EXTRA = {
-    "mistral": dict(sliding_window=None),
-    "qwen2": dict(use_sliding_window=False),
-    "gemma2": dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=64,
-                   sliding_window=64),
-    "gemma3_text": dict(query_pre_attn_scalar=64, sliding_window=64, final_logit_softcapping=20.0),
-    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
-    "olmo2": dict(pad_token_id=0, eos_token_id=2),
-}
-DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6)
 SEQ = 12
 
 
-@functools.lru_cache(maxsize=None)
 def _tokenizer(kind):
-    return sp_tokenizer() if kind == "sp" else bpe_tokenizer()
+    return gguf_tokenizer(kind)
 
 
 def _model(family, **overrides):
-    """A tiny random LoRA model of ``family`` (random B so the merge matters, random norms)."""
-    torch.manual_seed(0)
-    kwargs = {**DIMS, "tie_word_embeddings": family in TIED, **EXTRA.get(family, {}), **overrides}
-    cfg = AutoConfig.for_model(family, **kwargs)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.2).add_(0.0 if family.startswith("gemma") else 1.0)
-            else:
-                p.normal_(0.0, 0.05)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    return get_peft_model(model, lora).eval()
+    return gguf_model(family, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -191,20 +162,6 @@ def test_arch_specific_metadata(exported):
     r = gguf.GGUFReader(exported("llama")[2]["f16"])
     assert _field(r, "tokenizer.ggml.pre") == "gpt-2"
     assert _field(r, "tokenizer.ggml.eot_token_id") == _tokenizer("bpe").convert_tokens_to_ids("<|im_end|>")
-
-
-@needs_llama_cpp
-@pytest.mark.parametrize("family", FAMILIES)
-def test_llama_cpp_logits_match(family, exported):
-    _, _, paths, ref, ids = exported(family)
-    quants = ("f16", "q8_0") if family in ("llama", "qwen2", "gemma2", "phi3") else ("f16",)
-    for quant in quants:
-        llm = llama_cpp.Llama(model_path=str(paths[quant]), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-        llm.eval(ids)
-        got = np.asarray(llm.scores[:SEQ])
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        assert err <= {"f16": 1e-2, "q8_0": 5e-2}[quant], (family, quant, err)
-        llm.close()
 
 
 ROPE_CASES = {

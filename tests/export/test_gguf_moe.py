@@ -9,11 +9,11 @@ import copy
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import gguf
 from fasttune.export.gguf import save_gguf
+from helpers.gguf_models import MOE, MOE_DIMS, gguf_moe_model
 from helpers.tiny_tokenizers import bpe_tokenizer
 
 try:
@@ -21,27 +21,11 @@ try:
 except ImportError:  # CI installs it (NOTES §5)
     llama_cpp = None
 
-DIMS = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2,
-            tie_word_embeddings=False)
-MOE = {
-    "qwen3_moe": ("qwen3moe", dict(num_experts=4, moe_intermediate_size=128, intermediate_size=512,
-                                   norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1)),
-    "mixtral": ("llama", dict(num_local_experts=4, intermediate_size=128, sliding_window=None)),
-}
 SEQ = 12
 
 
 def _model(family, **overrides):
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **{**DIMS, **MOE[family][1], **overrides})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2).add_(1.0) if "norm" in name else p.normal_(0.0, 0.05)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    return get_peft_model(model, lora).eval()
+    return gguf_moe_model(family, **overrides)
 
 
 @pytest.fixture(scope="module", params=sorted(MOE))
@@ -92,6 +76,6 @@ def test_unrepresentable_configs_are_refused(tmp_path):
         save_gguf(_model("qwen3_moe", norm_topk_prob=False), bpe_tokenizer(), tmp_path / "a", ["f16"])
     with pytest.raises(ValueError, match="dense layers"):
         save_gguf(_model("qwen3_moe", mlp_only_layers=[1]), bpe_tokenizer(), tmp_path / "b", ["f16"])
-    cfg = AutoConfig.for_model("olmoe", **{**DIMS, "num_experts": 4, "intermediate_size": 128})
+    cfg = AutoConfig.for_model("olmoe", **{**MOE_DIMS, "num_experts": 4, "intermediate_size": 128})
     with pytest.raises(ValueError, match="'olmoe'.*not implemented"):
         save_gguf(AutoModelForCausalLM.from_config(cfg), bpe_tokenizer(), tmp_path / "c", ["f16"])

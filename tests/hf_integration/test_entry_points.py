@@ -24,7 +24,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.models.llama import modeling_llama
 
 from fasttune import FastConfig, FastPatchCallback, FastTrainer, patch_model
-from fasttune.embedded import PadCollator, TaskDataset, build_model, build_tokenizer, make_task
+from fasttune.embedded import PadCollator, TaskDataset, build_model, build_tokenizer
+from fasttune.embedded import make_task as _make_task
 from fasttune.kernels import cross_entropy, logprobs, rms_norm, rope, swiglu
 
 trl = pytest.importorskip("trl")
@@ -38,6 +39,12 @@ KERNELS = {
     "mlp": ((swiglu.GatedActFunction,), 2),
 }
 BACKBONE = "backbone forwards"
+
+
+def _long_task(n, seed=0):
+    """Task rows with 11-12 letter words: every no-grad forward of a 4-row batch then carries more
+    than STOCK_INFERENCE_MAX_ROWS (64) tokens, so reference/KL forwards take the kernels too."""
+    return _make_task(n, seed=seed, min_len=11, max_len=12)  # and rows stay within max_length=32
 
 
 def spy_kernels(monkeypatch) -> Counter:
@@ -89,12 +96,12 @@ def _reward(completions, **kwargs):
 def _prompts(n):
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": r["prompt"]} for r in make_task(n, seed=5)])
+    return Dataset.from_list([{"prompt": r["prompt"]} for r in _long_task(n, seed=5)])
 
 
 def _trainer(cls, tok, model, tmp_path, bf16, callbacks):
     args = TrainingArguments(**_common(tmp_path, bf16))
-    return cls(model=model, args=args, train_dataset=TaskDataset(tok, make_task(8)),
+    return cls(model=model, args=args, train_dataset=TaskDataset(tok, _long_task(8)),
                data_collator=PadCollator(tok.pad_token_id), callbacks=callbacks)
 
 
@@ -102,7 +109,7 @@ def _sft(cls, tok, model, tmp_path, bf16, callbacks):
     from datasets import Dataset
 
     cfg = trl.SFTConfig(**_common(tmp_path, bf16, max_length=32))
-    return cls(model=model, args=cfg, train_dataset=Dataset.from_list(make_task(8)), processing_class=tok,
+    return cls(model=model, args=cfg, train_dataset=Dataset.from_list(_long_task(8)), processing_class=tok,
                callbacks=callbacks)
 
 
@@ -110,7 +117,7 @@ def _dpo(cls, tok, model, tmp_path, bf16, callbacks):
     from datasets import Dataset
 
     rows = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["completion"][::-1]}
-            for r in make_task(8, seed=2)]
+            for r in _long_task(8, seed=2)]
     cfg = trl.DPOConfig(**_common(tmp_path, bf16, max_length=32))
     return cls(model=model, ref_model=build_model(tok, hidden_size=64, seed=1), args=cfg,
                train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=callbacks)
@@ -120,7 +127,7 @@ def _kto(cls, tok, model, tmp_path, bf16, callbacks):
     from datasets import Dataset
 
     rows = [{"prompt": r["prompt"], "completion": r["completion"] if i % 2 else r["completion"][::-1],
-             "label": bool(i % 2)} for i, r in enumerate(make_task(8, seed=3))]
+             "label": bool(i % 2)} for i, r in enumerate(_long_task(8, seed=3))]
     cfg = trl.KTOConfig(**_common(tmp_path, bf16, max_length=32))
     return cls(model=model, ref_model=build_model(tok, hidden_size=64, seed=1), args=cfg,
                train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=callbacks)
@@ -268,7 +275,7 @@ def test_a_head_nobody_calls_is_reported_with_the_reason(caplog):
     model = build_model(tok, hidden_size=64).to(device)
     report = patch_model(model, FastConfig())
     trl.trainer.utils.add_fused_lm_head(model)  # TRL's head over ours, never re-attached
-    batch = PadCollator(tok.pad_token_id)([TaskDataset(tok, make_task(4))[i] for i in range(4)])
+    batch = PadCollator(tok.pad_token_id)([TaskDataset(tok, _long_task(4))[i] for i in range(4)])
     batch = {k: v.to(device) for k, v in batch.items()}
     model(**batch, fused_lm_head=True).loss.backward()
     caplog.set_level(logging.INFO, logger="fasttune")

@@ -39,7 +39,7 @@ def test_embedded_rows_per_trainer():
     dpo = run_data.embedded_rows("dpo", 5, seed=1)
     assert set(sft[0]) == {"prompt", "completion"} and set(dpo[0]) == {"prompt", "chosen", "rejected"}
     for s, d in zip(sft, dpo, strict=True):
-        word = s["prompt"].split()[1]
+        word = s["prompt"].removesuffix(" =")
         assert d["chosen"] == s["completion"] != d["rejected"] == " " + word
     assert run_data.available_columns("embedded", "dpo") == ["prompt", "chosen", "rejected"]
 

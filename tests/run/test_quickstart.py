@@ -25,4 +25,4 @@ def test_quickstart_trains_and_saves(tmp_path):
     assert metrics["exact_match_after"] >= metrics["exact_match_before"]
     assert metrics["patched"]["cross_entropy"] == 1
     assert (tmp_path / "qs" / "final" / "config.json").exists()
-    assert "held-out exact match" in out.stdout
+    assert "held-out exact match" in out.stdout and "the share of 40 unseen words" in out.stdout

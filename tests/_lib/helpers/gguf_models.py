@@ -1,0 +1,87 @@
+"""Tiny random LoRA models of every family, shaped for GGUF tests, with tokenizers llama.cpp reads.
+
+Widths are multiples of 256 (K-quant rows), the vocabulary has 512 rows (the in-process tokenizers
+have ~400 tokens, so some rows are unused padding), norms are random (so Gemma's 1 + w shift and
+every norm weight matter) and LoRA B is random (so the merge matters).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .tiny_tokenizers import bpe_tokenizer, sp_tokenizer
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
+ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # GGUF architecture when it is not the model_type
+SP_FAMILIES = {"mistral", "gemma", "gemma2", "gemma3_text"}  # SentencePiece-style vocabularies
+TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"}
+EXTRA = {
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),
+    "gemma2": dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=64,
+                   sliding_window=64),
+    "gemma3_text": dict(query_pre_attn_scalar=64, sliding_window=64, final_logit_softcapping=20.0),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    "olmo2": dict(pad_token_id=0, eos_token_id=2),
+}
+DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_tokenizer(kind: str):
+    """"sp" (SentencePiece-style, llama.cpp "llama") or "bpe" (byte-level, llama.cpp "gpt2"); cached."""
+    return sp_tokenizer() if kind == "sp" else bpe_tokenizer()
+
+
+def family_tokenizer(family: str):
+    return gguf_tokenizer("sp" if family in SP_FAMILIES else "bpe")
+
+
+def gguf_model(family: str, **overrides):
+    """A tiny random LoRA model of ``family`` (random B so the merge matters, random norms), in eval mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    kwargs = {**DIMS, "tie_word_embeddings": family in TIED, **EXTRA.get(family, {}), **overrides}
+    cfg = AutoConfig.for_model(family, **kwargs)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2).add_(0.0 if family.startswith("gemma") else 1.0)
+            else:
+                p.normal_(0.0, 0.05)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, lora).eval()
+
+
+# Mixture-of-experts families GGUF export writes: model_type → (GGUF arch, config extras).
+MOE_DIMS = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2,
+                tie_word_embeddings=False)
+MOE = {
+    "qwen3_moe": ("qwen3moe", dict(num_experts=4, moe_intermediate_size=128, intermediate_size=512,
+                                   norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1)),
+    "mixtral": ("llama", dict(num_local_experts=4, intermediate_size=128, sliding_window=None)),
+}
+
+
+def gguf_moe_model(family: str, **overrides):
+    """A tiny random MoE model with LoRA on attention and on the stacked experts, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **{**MOE_DIMS, **MOE[family][1], **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2).add_(1.0) if "norm" in name else p.normal_(0.0, 0.05)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return get_peft_model(model, lora).eval()

@@ -1,0 +1,173 @@
+"""Every GGUF fasttune can write, loaded in llama.cpp (llama-cpp-python): the embedded demo's and the
+llama family's in all 17 types (8 quantised in Python, 9 K-quants through llama.cpp's quantizer),
+and every other family's, the MoE ones (qwen3_moe, mixtral) included, as F16, Q8_0 and Q4_0 (4/5-bit
+files keep an 8-bit output projection).
+
+Each file is checked three ways:
+- tokenization: llama.cpp's ids equal transformers' on a few strings;
+- "the file says": llama.cpp's logits equal those of the HF model carrying the file's own
+  (dequantised) weights, whatever the type: a wrong layout, permutation or metadata key shows
+  here at full size, while quantisation noise does not (only llama.cpp's 8-bit activations remain);
+- the live model: the logit error against the model that was exported, within a per-type bound.
+Run with ``-s`` to see the table of errors.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+from fasttune import embedded
+from fasttune.export.gguf import K_QUANTS, PY_QUANTS, save_gguf
+from helpers.gguf_models import ARCH, FAMILIES, MOE, family_tokenizer, gguf_model, gguf_moe_model
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF section)")
+
+SEQ = 16
+TEXTS = ("Hello world, how are you today?", "double  spaces and 12345 numbers\n\nnew  lines ",
+         "fine-tuning isn't hard; it's fun!", "cab = dbc", "qwerty =")
+# llama.cpp logits vs the live model, relative L2 error: the largest measured on these tiny random
+# models (the table printed with -s) with ~1.5x margin. Low-bit types are that noisy here.
+LIVE_TOL = {"f32": 1e-4, "f16": 4e-3, "bf16": 2.5e-2, "q8_0": 6e-2, "q5_0": 0.35, "q5_1": 0.3, "q4_0": 0.7,
+            "q4_1": 0.6, "q6_k": 0.15, "q5_k_s": 0.25, "q5_k_m": 0.25, "q4_k_s": 0.4, "q4_k_m": 0.4,
+            "q3_k_s": 0.9, "q3_k_m": 0.8, "q3_k_l": 0.8, "q2_k": 1.2}
+# llama.cpp vs the file's own weights: what remains is llama.cpp rounding activations (f16 for F16
+# weights, bf16 for BF16, 8-bit blocks for quantised types); a wrong layout gives errors near 1.
+FILE_TOL = {"f32": 1e-4, "f16": 4e-3, "bf16": 1.5e-2}
+FILE_TOL_QUANTISED = 5e-2
+FILE_TOL_MOE_QUANTISED = 0.15  # 8-bit activations can flip a token's top-k experts (qwen3_moe Q4_0: 7.8e-2)
+FAMILY_QUANTS = ("f16", "q8_0", "q4_0")  # llama and the demo get every type
+GELU_F32_TOL = 1e-3  # Gemma's GELU goes through ggml's fp16 lookup table even for F32 weights
+
+
+def _deinterleave_rows(w, n_head):
+    """GGML's interleaved q/k row pairs back to HF's rotate-half order, head by head."""
+    out = np.empty_like(w)
+    d = w.shape[0] // n_head
+    for h in range(n_head):
+        rows = w[h * d:(h + 1) * d]
+        out[h * d:(h + 1) * d][: d // 2] = rows[0::2]
+        out[h * d:(h + 1) * d][d // 2:] = rows[1::2]
+    return out
+
+
+class Reference:
+    """The live model's logits on a fixed prompt, and a merged plain copy to load GGUF weights into."""
+
+    def __init__(self, model, tok, family):
+        self.tok, self.family = tok, family
+        self.arch = {"embedded": "llama", **{f: a for f, (a, _) in MOE.items()}}.get(family, ARCH.get(family, family))
+        ids = tok(TEXTS[0])["input_ids"][:SEQ]
+        self.ids = ids + tok("The quick brown fox", add_special_tokens=False)["input_ids"][: SEQ - len(ids)]
+        with torch.no_grad():
+            self.live = model(torch.tensor([self.ids])).logits[0].float().numpy()
+        merged = copy.deepcopy(model)
+        self.plain = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
+
+    def file_logits(self, path):
+        """Logits of the HF model carrying ``path``'s tensors, dequantised and mapped back to HF layout."""
+        model = copy.deepcopy(self.plain)
+        cfg = model.config
+        tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in t.shape[::-1]])
+                   for t in gguf.GGUFReader(path).tensors}
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.arch.upper()], cfg.num_hidden_layers)
+        with torch.no_grad():
+            for hf_name, param in model.named_parameters(remove_duplicate=False):
+                if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    if "output.weight" in tensors:  # tied in HF; llama.cpp reads its own (maybe 8-bit) copy
+                        model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(tensors["output.weight"].copy()))
+                    continue
+                value = _experts(tensors, hf_name)
+                if value is None:
+                    value = tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))]
+                if self.arch in ("llama", "granite") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+                    value = _deinterleave_rows(value, heads)
+                if self.arch.startswith("gemma") and "norm" in hf_name:
+                    value = value - 1.0
+                param.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+            return model.eval()(torch.tensor([self.ids])).logits[0].float().numpy()
+
+    def check(self, path, quant):
+        """[] when llama.cpp tokenizes like transformers and its logits are within bounds, else the failure."""
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
+                              type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)  # exact KV cache
+        try:
+            for text in TEXTS:
+                want = self.tok(text)["input_ids"]
+                got = llm.tokenize(text.encode(), add_bos=want[:1] == [self.tok.bos_token_id], special=False)
+                assert got == want, (self.family, quant, text)
+            llm.eval(self.ids)
+            got = np.asarray(llm.scores[:len(self.ids)])
+        finally:
+            llm.close()
+        live_err, file_err = _rel(got, self.live), _rel(got, self.file_logits(path))
+        print(f"\nGGUF {self.family:<12} {quant.upper():<7} logit error vs live model {live_err:.2e}, "
+              f"vs the file's weights {file_err:.2e}", end="")
+        live_tol, file_tol = LIVE_TOL[quant], FILE_TOL.get(quant, FILE_TOL_QUANTISED)
+        if quant == "f32" and self.family.startswith("gemma"):
+            live_tol = file_tol = GELU_F32_TOL
+        if self.family in MOE and quant not in FILE_TOL:
+            file_tol = FILE_TOL_MOE_QUANTISED
+        return [] if file_err <= file_tol and live_err <= live_tol else [(self.family, quant, live_err, file_err)]
+
+
+def _experts(tensors, hf_name):
+    """Stacked MoE experts back from llama.cpp's per-projection tensors (None for other parameters)."""
+    if ".mlp.experts." not in hf_name:
+        return None
+    blk = f"blk.{hf_name.split('.layers.')[1].split('.')[0]}"
+    if hf_name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+        return np.concatenate([tensors[f"{blk}.ffn_gate_exps.weight"], tensors[f"{blk}.ffn_up_exps.weight"]], axis=1)
+    return tensors[f"{blk}.ffn_down_exps.weight"]
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _check_all(model, tok, family, paths, quants):
+    ref = Reference(model, tok, family)
+    failed = [f for quant, path in zip(quants, paths) for f in ref.check(path, quant)]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_loads_in_llama_cpp(family, tmp_path):
+    """16-bit, 8-bit and 4-bit (whose output projection stays 8-bit) files of each family."""
+    model, tok = gguf_model(family), family_tokenizer(family)
+    quants = FAMILY_QUANTS if family != "llama" else PY_QUANTS + K_QUANTS
+    _check_all(model, tok, family, save_gguf(model, tok, tmp_path, quants), quants)
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_families_load_in_llama_cpp(family, tmp_path):
+    """Experts split into ffn_{gate,up,down}_exps, LoRA on the experts merged, the router kept F32."""
+    model, tok = gguf_moe_model(family), family_tokenizer("llama")
+    _check_all(model, tok, family, save_gguf(model, tok, tmp_path, FAMILY_QUANTS), FAMILY_QUANTS)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The embedded demo: its tokenizer and model, lightly trained so the logits are not flat."""
+    tok = embedded.build_tokenizer()
+    model = embedded.build_model(tok, seed=0)
+    rows = embedded.TaskDataset(tok, embedded.make_task(64, seed=1))
+    batch = embedded.PadCollator(tok.pad_token_id)([rows[i] for i in range(64)])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(5):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval(), tok
+
+
+def test_the_embedded_demo_loads_in_llama_cpp_in_every_type(demo, tmp_path):
+    model, tok = demo
+    paths = save_gguf(model, tok, tmp_path, PY_QUANTS + K_QUANTS, name="demo")
+    reader = gguf.GGUFReader(paths[0])
+    assert reader.fields["tokenizer.ggml.merges"].contents() == ["Ġ ="]
+    assert reader.fields["tokenizer.ggml.add_bos_token"].contents() is True
+    _check_all(model, tok, "embedded", paths, PY_QUANTS + K_QUANTS)
