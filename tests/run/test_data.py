@@ -30,7 +30,7 @@ def test_read_rows_reads_every_supported_file_kind(tmp_path):
         assert run_data.read_rows(tmp_path / name) == rows, name
         assert run_data.read_rows(tmp_path / name, limit=3) == rows[:3], name
     (tmp_path / "bad.jsonl").write_text('{"q": 1}\nnot json\n')
-    with pytest.raises(ValueError, match="line 2 is not JSON"):
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
         run_data.read_rows(tmp_path / "bad.jsonl")
 
 
