@@ -161,7 +161,7 @@ def _first_bad_value(values, role: str) -> tuple[int, str] | None:
             return i, "is missing"
         if role in TEXT_ROLES and not isinstance(v, (str, list)):
             return i, f"is {_kind(v)} ({str(v)[:40]}), expected text"
-        if role == "messages" and not (isinstance(v, list) and all(isinstance(m, dict) and "role" in m for m in v)):
+        if role == "messages" and not (isinstance(v, list) and all(isinstance(m, dict) and m.get("role") for m in v)):
             return i, "is not a list of chat turns ({'role': ..., 'content': ...})"
     return None
 

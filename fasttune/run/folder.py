@@ -36,7 +36,7 @@ TERMINAL = ("completed", "failed", "stopped", "interrupted")
 RESERVE_BYTES = 256 * 1024
 # What a previous `fasttune train` leaves in a run folder (--overwrite removes exactly these).
 RUN_FILES = ("final", "adapter", "merged", "gguf", "base", "runs", "README.md", "run_config.yaml", "fast_config.json",
-             STATE_FILE, "log_history.jsonl", "train.log", "trainer_state.json", "metrics.json")
+             STATE_FILE, ".state.reserve", "log_history.jsonl", "train.log", "trainer_state.json", "metrics.json")
 # Kept when the state must be cut down to be written at all (disk full): who, what, where it stopped.
 _ESSENTIAL = ("status", "phase", "error", "step", "max_steps", "pid", "host", "pid_start", "started_at",
               "finished_at", "updated_at", "run_name", "trainer", "method", "resumed_from", "created_at")

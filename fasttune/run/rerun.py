@@ -64,7 +64,7 @@ def _resume_point(folder: RunFolder, state: dict) -> Path:
         raise RunFolderError(f"--resume: no complete checkpoint in {folder.path} ({seen}); "
                              "--overwrite starts over")
     if state:
-        logger.info("fasttune: resuming the %s run in %s from %s", describe(state), folder.path, latest.name)
+        logger.info("fasttune: resuming from %s in %s; the run was %s", latest.name, folder.path, describe(state))
     return latest
 
 
