@@ -121,11 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_CONFIG
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig: leave a host's own logging set-up alone
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(_Console())
+        root.addHandler(console)
+        root.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Hub request otherwise
     command = {"train": cmd_train, "export": cmd_export, "push": cmd_push, "config": cmd_config,
                "doctor": cmd_doctor, "status": cmd_status}[args.command]
     return command(args)
+
+
+class _Console(logging.Formatter):
+    """fasttune's own messages as they are; other libraries' records name their level and logger
+    (so a reader, or the Space's log panel, can tell them apart)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.name.startswith("fasttune") else f"{record.levelname} {record.name}: {text}"
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:

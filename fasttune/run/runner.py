@@ -16,7 +16,6 @@ become one line naming the path and the space needed (``os_errors.py``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from pathlib import Path
@@ -208,7 +207,7 @@ def _run(cfg: RunConfig, folder: RunFolder, stop: StopSignal, resume_from: Path 
     set_seed(cfg.training.seed)
     # the data before the model: a data problem fails in seconds
     dataset, eval_dataset = load_eval_dataset(cfg, load_train_dataset(cfg))
-    folder.write_state(phase="loading model")
+    folder.write_state(phase="loading model", data_columns=list(dataset.column_names))
     model, tok = load_model(cfg, folder)
     folder.write_state(checkpoint_bytes=checkpoint_bytes(model))
     held_out = f", {len(eval_dataset)} held out for evaluation" if eval_dataset is not None else ""
