@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,83 @@ def test_doctor_reports_this_machine():
         assert set(info["kernels"].values()) == {"reference (no CUDA device)"}  # TRITON_INTERPRET unset
     assert info["families"] == sorted(FAMILIES)
     assert {r["family"] for r in info["dry_patch"]} == set(FAMILIES) | {"llama + LoRA"}
+
+
+# --- a used run folder, a killed run, a resumed run ------------------------------------------------
+
+def test_train_refuses_a_folder_that_holds_a_run_and_status_reads_it(tmp_path, capsys, monkeypatch):
+    import fasttune.run.runner
+    from fasttune.run.checkpoints import write_marker
+    from fasttune.run.folder import RunFolder
+    from fasttune.run.liveness import identity
+
+    from fasttune.run.config import RunConfig
+
+    run = RunFolder(tmp_path / "run")
+    run.start(cli_config := RunConfig())
+    run.train_log.write_text("earlier run\n")
+    (run.path / "checkpoint-3").mkdir()
+    (run.path / "checkpoint-3" / "optimizer.pt").write_bytes(b"x")
+    write_marker(run.path / "checkpoint-3", 3)
+    run.write_state(status="running", step=4, max_steps=9, loss=[[4, 2.5]], **identity(2 ** 22 + 777))  # dead pid
+    config = tmp_path / "c.yaml"
+    config.write_text(cli_config.to_yaml())
+    monkeypatch.setattr(fasttune.run.runner, "_run", lambda *a, **k: pytest.fail("a used folder reached training"))
+    assert cli.main(["train", str(config), "--run-dir", str(run.path)]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "already holds a run (interrupted, step 4/9 (state.json says 'running', but its process" in err
+    assert "--resume continues from checkpoint-3" in err
+    assert cli.main(["train", "--resume"]) == cli.EXIT_CONFIG
+    assert "--resume needs --run-dir" in capsys.readouterr().err
+    assert cli.main(["status", str(run.path)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("run: interrupted, step 4/9") and "loss 2.5000" in out and "checkpoint-3: complete" in out
+    assert cli.main(["status", str(run.path), "--json"]) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["status"] == "interrupted"
+    assert cli.main(["status", str(tmp_path)]) == cli.EXIT_CONFIG
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_reads_as_interrupted_and_resumes_from_its_last_checkpoint(tmp_path):
+    """SIGKILL leaves state.json at "running": every reader must see "interrupted"; a plain rerun
+    must refuse (never restart at step 0 over the checkpoints); --resume continues, with one patch
+    report and a progress bar with an ETA on the console."""
+    import signal
+    import time
+
+    from fasttune.run.folder import read_state
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_name": "killed", "data": {"max_samples": 200}, "lora": {"r": 4, "alpha": 8},
+        "training": {"max_steps": 400, "per_device_train_batch_size": 4, "learning_rate": 5e-3, "logging_steps": 1,
+                     "max_length": 32, "seed": 1, "save_strategy": "steps", "save_steps": 2}}))
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_TOKEN")}
+    proc = subprocess.Popen([sys.executable, "-m", "fasttune.cli", "train", str(config), "--run-dir", str(run)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and read_state(run).get("last_checkpoint") is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = read_state(run)
+    assert state["status"] == "running" and state["pid"] == proc.pid  # what a killed run leaves behind
+    status = _fasttune("status", run)
+    assert status.returncode == 0 and status.stdout.startswith("killed: interrupted, step ")
+    again = _fasttune("train", config, "--run-dir", run)
+    assert again.returncode == cli.EXIT_CONFIG and "already holds a run (interrupted" in again.stderr
+    checkpoint = read_state(run)["last_checkpoint"]
+    step = int(checkpoint.split("-")[1])
+    resumed = _fasttune("train", "--run-dir", run, "--resume", "--set", f"training.max_steps={step + 2}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    state = read_state(run)
+    assert state["status"] == "completed" and state["resumed_from"] == checkpoint and state["step"] == step + 2
+    assert [s for s, _ in state["loss"]] == list(range(1, step + 3))  # nothing lost, nothing repeated
+    assert resumed.stderr.count("fasttune patch report") == 1  # once, not once per patching
+    assert re.search(r"\d+/\d+ \[\d\d:\d\d<\d\d:\d\d", resumed.stderr)  # a progress bar with an ETA

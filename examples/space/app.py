@@ -140,9 +140,10 @@ def try_it(prompt: str) -> str:
     if state.get("status") not in ("completed", "stopped"):
         return "Train a model first: the latest run has not finished." if state else "No run yet."
     try:
-        return GENERATE(state["run_dir"], prompt)
+        answer = GENERATE(state["run_dir"], prompt)
     except (ValueError, FileNotFoundError) as e:
         return f"❌ {e}"
+    return answer if answer.strip() else f"(only whitespace: {answer!r}; the model has not learned much yet)"
 
 
 def _progress_html(step: int, total: int, status: str) -> str:

@@ -121,7 +121,8 @@ class Jobs:
             f.seek(max(0, f.tell() - max_bytes))
             text = f.read().decode("utf-8", "replace")
         # Progress bars redraw with carriage returns: keep the last state of each line.
-        return filter_log("\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines()))
+        # (split on newlines only: str.splitlines would split at each carriage return too)
+        return filter_log("\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")))
 
     # --- start / stop -----------------------------------------------------------------------
 

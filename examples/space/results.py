@@ -136,11 +136,13 @@ def result_md(state: dict, downloads: Downloads) -> str:
     links = downloads.links_md(state)
     if links:
         lines.append(links)
-    for kind, url in (state.get("urls") or {}).items():
-        lines.append(f"- pushed {kind}: [{url.rstrip('/').split('/', 3)[-1]}]({url})")
+    pushed = [f"- pushed {kind}: [{url.rstrip('/').split('/', 3)[-1]}]({url})"
+              for kind, url in (state.get("urls") or {}).items()]
+    if pushed:
+        lines.append("\n".join(pushed))
     if state.get("run_dir"):
-        lines.append(f"\nRun folder: `{state['run_dir']}`")
-    return "\n".join(lines)
+        lines.append(f"Run folder: `{state['run_dir']}`")
+    return "\n\n".join(lines)  # blank lines: each block its own paragraph or list
 
 
 def _fmt(x) -> str:
