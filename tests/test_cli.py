@@ -329,3 +329,62 @@ def test_a_sigkilled_run_reads_as_interrupted_and_resumes_from_its_last_checkpoi
     assert [s for s, _ in state["loss"]] == list(range(1, step + 3))  # nothing lost, nothing repeated
     assert resumed.stderr.count("fasttune patch report") == 1  # once, not once per patching
     assert re.search(r"\d+/\d+ \[\d\d:\d\d<\d\d:\d\d", resumed.stderr)  # a progress bar with an ETA
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 64 MB tmpfs (root only: skipped where mounting is not allowed, as on CI runners)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (the monkeypatched full-disk tests cover CI)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_fails_in_one_line_and_resume_continues(small_tmpfs, tmp_path):
+    """The issue's trial on a real full disk: the state ends "failed" with a one-line "disk full"
+    error naming the path, no traceback on the console; once space is freed, --resume continues
+    from a complete checkpoint."""
+    import time
+
+    from fasttune.run.folder import read_state
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_name": "full", "data": {"max_samples": 200}, "lora": {"r": 4, "alpha": 8},
+        "training": {"max_steps": 400, "per_device_train_batch_size": 4, "learning_rate": 5e-3, "logging_steps": 1,
+                     "max_length": 32, "seed": 1, "save_strategy": "steps", "save_steps": 2}}))
+    run = small_tmpfs / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_TOKEN")}
+    proc = subprocess.Popen([sys.executable, "-m", "fasttune.cli", "train", str(config), "--run-dir", str(run)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    filler = small_tmpfs / "filler"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and read_state(run).get("last_checkpoint") is None:
+            time.sleep(0.2)
+        with open(filler, "wb") as f:  # another program takes every byte left
+            try:
+                while True:
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    state = read_state(run)
+    assert state["status"] == "failed" and state["error"].startswith("disk full while writing ")
+    line = [x for x in err.splitlines() if x.startswith("fasttune: training failed:")]
+    assert line == [f"fasttune: training failed: {state['error']}"] and "Traceback" not in err
+    print(line[0])
+    filler.unlink()
+    resumed = _fasttune("train", "--run-dir", run, "--resume", "--set",
+                        f"training.max_steps={int(state['last_checkpoint'].split('-')[1]) + 1}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_state(run)["status"] == "completed"
