@@ -167,3 +167,31 @@ def test_a_full_disk_at_a_checkpoint_fails_in_one_line_and_resume_skips_the_cut_
     assert [s for s, _ in resumed["loss"]] == [1, 2, 3, 4]
     assert dict(map(tuple, resumed["loss"]))[4] == pytest.approx(losses_before[4], rel=1e-6)  # resume is exact
     assert incomplete_reason(run / "checkpoint-4") is None  # saved again, whole
+
+
+def test_packing_and_assistant_only_loss_reach_trl(tmp_path):
+    from fasttune.run.data import load_train_dataset
+    from fasttune.run.folder import RunFolder
+
+    def trainer_for(cfg, name):
+        folder = RunFolder(tmp_path / name)
+        model, tok = runner.load_model(cfg, folder)
+        ds = load_train_dataset(cfg)
+        return runner.build_trainer(cfg, model, tok, ds, runner.training_args(cfg, folder.path), []), ds, tok
+
+    cfg = RunConfig.from_dict({"data": {"max_samples": 64}, "lora": {"r": 4, "alpha": 8},
+                               "training": {"max_length": 64, "packing": True, "bf16": False}})
+    trainer, ds, _ = trainer_for(cfg, "pack")
+    assert len(trainer.train_dataset) < len(ds) / 2  # 12-22-token rows: several per 64-token sequence
+    assert "seq_lengths" in trainer.train_dataset.column_names or "position_ids" in trainer.train_dataset.column_names
+    words = ["abc", "xyz", "hello", "cab"] * 4
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"shift: {w} ="},
+                                                     {"role": "assistant", "content": f" {w[::-1]}"}]}) + "\n"
+                            for w in words))
+    cfg = RunConfig.from_dict({"data": {"dataset": str(chat)}, "lora": {"r": 4, "alpha": 8},
+                               "training": {"max_length": 64, "assistant_only_loss": True, "bf16": False}})
+    trainer, _, tok = trainer_for(cfg, "chat")
+    row = trainer.train_dataset[0]
+    trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    assert tok.decode(trained, skip_special_tokens=True) == " cba"  # the answer alone carries the loss
