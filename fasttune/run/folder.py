@@ -99,7 +99,8 @@ class RunFolder:
 
     @property
     def reserve_file(self) -> Path:
-        return self.path / ".state.reserve"
+        """Space set aside for the failure write (each rank its own, like its state file)."""
+        return self.path / (".state.reserve" if is_main_process() else f".state.rank{os.environ['RANK']}.reserve")
 
     def has_previous_run(self) -> bool:
         """A `fasttune train` ran here before: a log, checkpoints, a final model. (The run config,
@@ -136,6 +137,7 @@ class RunFolder:
         reserve. Resuming at ``resume_step`` keeps the log and loss curve up to that step."""
         self.path.mkdir(parents=True, exist_ok=True)
         if not is_main_process():
+            self.make_reserve()
             return
         self.config_file.write_text(cfg.to_yaml(), encoding="utf-8")
         self.fast_config_file.write_text(json.dumps(cfg.fast.to_dict(), indent=2), encoding="utf-8")

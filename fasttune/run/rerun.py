@@ -7,7 +7,8 @@ Never silently start again at step 0 over someone's checkpoints: a folder with a
 - ``resume``: continue from the newest *complete* checkpoint (``checkpoints.newest_complete``;
   checkpoints cut short by a full disk or a kill are skipped, and said so).
 
-A folder whose run is still going (its process is alive) is refused either way.
+A folder whose run is still going (its process is alive) is refused either way. In a launched
+multi-process run, rank 0 decides (and clears); the other ranks only look up the same checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 from pathlib import Path
 
 from .checkpoints import newest_complete
-from .folder import RunFolder
+from .folder import RunFolder, is_main_process
 from .liveness import ACTIVE, describe, process_gone
 
 logger = logging.getLogger("fasttune.runner")
@@ -36,6 +37,8 @@ def prepare(folder: RunFolder, overwrite: bool = False, resume: bool = False) ->
     """
     if overwrite and resume:
         raise RunFolderError("--overwrite and --resume contradict each other: pick one")
+    if not is_main_process():  # rank 0 checks and clears; the others only find the same checkpoint
+        return newest_complete(folder.path)[0] if resume else None
     state = folder.read_state()
     other = state.get("pid") not in (None, os.getpid())
     if state.get("status") in ACTIVE and other and folder.has_previous_run() and not process_gone(state):

@@ -92,3 +92,11 @@ def test_config_changes_lists_dotted_keys():
     after = RunConfig.from_dict({"training": {"max_steps": 8}, "run_name": "x"}).to_dict()
     assert config_changes(before, after) == ["run_name: None -> 'x'", "training.max_steps: -1 -> 8"]
     assert config_changes(before, json.loads(json.dumps(before))) == []
+
+
+def test_other_ranks_never_clear_and_find_the_same_checkpoint(tmp_path, monkeypatch):
+    folder = _previous_run(tmp_path / "run")
+    monkeypatch.setenv("RANK", "1")  # rank 0 decides; rank 1 starts while rank 0 writes the new run
+    assert prepare(folder) is None and prepare(folder, overwrite=True) is None
+    assert (folder.path / "checkpoint-4").is_dir()  # untouched: clearing is rank 0's
+    assert prepare(folder, resume=True) == folder.path / "checkpoint-2"

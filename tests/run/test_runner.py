@@ -184,6 +184,16 @@ def test_packing_and_assistant_only_loss_reach_trl(tmp_path):
     trainer, ds, _ = trainer_for(cfg, "pack")
     assert len(trainer.train_dataset) < len(ds) / 2  # 12-22-token rows: several per 64-token sequence
     assert "seq_lengths" in trainer.train_dataset.column_names or "position_ids" in trainer.train_dataset.column_names
+    # "attention stays within each row": a packed batch through the patched model, as TRL's compute_loss
+    # calls it (use_cache=False), gives each row the logits it has alone
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    lengths = trainer.train_dataset[0]["seq_lengths"]
+    first, second = lengths[0], lengths[1]
+    model = trainer.model.eval()
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        alone = model(input_ids=batch["input_ids"][:, first:first + second], use_cache=False).logits
+    assert torch.allclose(packed[:, first:first + second], alone, atol=1e-5)
     words = ["abc", "xyz", "hello", "cab"] * 4
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"shift: {w} ="},
