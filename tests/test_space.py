@@ -101,7 +101,7 @@ def test_form_checks_before_launch(app_module, tmp_path, monkeypatch):
     assert "base_model_relation" in card and "Q8_0" in card
 
 
-def test_log_panel_drops_library_warnings(app_module):
+def test_log_panel_drops_library_warnings(app_module, tmp_path):
     jobs = sys.modules["jobs"]
     log = "\n".join([
         "fasttune: run folder runs/x",
@@ -116,6 +116,9 @@ def test_log_panel_drops_library_warnings(app_module):
         "fasttune: run folder runs/x", "fasttune patch report (llama)", "  cross_entropy      1 patched",
         "fasttune: 3 of 60 rows have an empty 'completion' value (line 4); they teach nothing",
         " 50%|█████     | 3/6 [00:13<00:14,  4.71s/it]"]
+    (tmp_path / "console.log").write_bytes("step 1\r\x1b[A 50%|█| 1/2\r100%|█| 2/2\nWARNING datasets: noise\ndone\n"
+                                           .encode())  # redrawn bars, a cursor move, a library line
+    assert jobs.Jobs(tmp_path).log_tail(tmp_path) == "100%|█| 2/2\ndone\n"
 
 
 def test_downloads_offer_each_artifact(app_module, tmp_path):
@@ -403,26 +406,28 @@ def test_api_start_stop_and_state_after_restart(space, tmp_path):
 def test_browser_screenshot_of_a_finished_run_with_downloads_and_an_answer(space, tmp_path, record_property):
     """A finished run as a user sees it: held-out eval loss, a download link per artifact (each one
     served), and the trained model's answer in the "try it" box. The screenshot is saved (its path
-    is printed and recorded as the test's ``screenshot`` property; FASTTUNE_SCREENSHOT_DIR keeps a copy)."""
+    is printed and recorded as the test's ``screenshot`` property; FASTTUNE_SCREENSHOT_DIR keeps a copy).
+    FASTTUNE_SCREENSHOT_STEPS trains longer (default 12: a quick run, whose answer is mostly noise)."""
+    steps = int(os.environ.get("FASTTUNE_SCREENSHOT_STEPS", "12"))
     pw, ctx = _browser(tmp_path)
     try:
         page = ctx.new_page()
         page.goto(space.url)
         page.wait_for_function("document.querySelector('#data-msg')?.innerText.includes('prompt, completion')")
         page.locator("#run-name input, #run-name textarea").first.fill("screenshot")
-        page.locator("#training-max_steps input").fill("12")
+        page.locator("#training-max_steps input").fill(str(steps))
         page.locator("#training-per_device_train_batch_size input").fill("16")
         page.locator("#data-eval_size input").fill("32")
         for kind in ("merged", "gguf"):
             page.locator("#export-artifacts label").filter(has_text=kind).locator("input").check()
         page.locator("#start").click()
         page.wait_for_function("document.querySelector('#run-progress')?.dataset.status === 'completed'",
-                               timeout=240_000)
+                               timeout=240_000 + 2_000 * steps)
         page.wait_for_function("(() => { const r = document.querySelector('#run-result')?.innerText || '';"
                                " return r.includes('screenshot-Q8_0.gguf') && r.includes('merged.zip')"
                                " && !r.includes('preparing'); })()", timeout=60_000)
         result = page.locator("#run-result").inner_text()
-        assert "eval loss" in result and "✅ Completed 12 steps" in result.replace("**", "")
+        assert "eval loss" in result and f"✅ Completed {steps} steps" in result.replace("**", "")
         links = page.locator("#run-result a").evaluate_all("els => els.map(e => [e.innerText, e.href])")
         downloads = {text: href for text, href in links if "/gradio_api/file=" in href}
         assert {t.split(":")[0] for t in downloads} == {"merged", "gguf Q8_0"}

@@ -41,6 +41,9 @@ def _alive(state: dict) -> bool:
 _WARNING_LINE = re.compile(r"^(\S+\.py:\d+: \w*Warning: |\[[\d\- :,.]+\] \[WARNING\] |WARNING (?!fasttune)[\w.]+: )")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal escapes (tqdm's nested bars move the cursor up)
+
+
 def filter_log(text: str) -> str:
     """``text`` without library warnings (each with its indented continuation lines)."""
     out, skipping = [], False
@@ -120,8 +123,9 @@ class Jobs:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - max_bytes))
             text = f.read().decode("utf-8", "replace")
-        # Progress bars redraw with carriage returns: keep the last state of each line.
-        # (split on newlines only: str.splitlines would split at each carriage return too)
+        # Progress bars redraw with carriage returns: keep the last state of each line (split on
+        # newlines only: str.splitlines splits at carriage returns too); drop their cursor moves.
+        text = _ANSI.sub("", text)
         return filter_log("\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")))
 
     # --- start / stop -----------------------------------------------------------------------

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig, eval_strategy
+from .data_checks import DataError
+from .failure import LogFile, checkpoint_bytes, explain_failure, trace
 from .finished import base_path as _base_path
 from .finished import load_run, usable_artifacts  # noqa: F401 - the runner's API
 from .folder import RunFolder, is_main_process
+from .os_errors import RunIOError
 from .publish import export_run, push_run  # noqa: F401 - the runner's API
 from .sources import EMBEDDED, classify_model
-from .data_checks import DataError
-from .failure import LogFile, checkpoint_bytes, explain_failure, trace
-from .os_errors import RunIOError
 from .stop import StopRequested, StopSignal
 
 logger = logging.getLogger("fasttune.runner")
