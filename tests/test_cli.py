@@ -379,7 +379,7 @@ def test_a_disk_that_fills_mid_run_fails_in_one_line_and_resume_continues(small_
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
     state = read_state(run)
-    assert state["status"] == "failed" and state["error"].startswith("disk full while writing ")
+    assert state["status"] == "failed" and state["error"].startswith("disk full writing ")
     line = [x for x in err.splitlines() if x.startswith("fasttune: training failed:")]
     assert line == [f"fasttune: training failed: {state['error']}"] and "Traceback" not in err
     print(line[0])

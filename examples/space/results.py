@@ -124,7 +124,8 @@ def result_md(state: dict, downloads: Downloads) -> str:
     if status == "failed":
         lines.append(f"❌ **Failed:** {state.get('error') or 'see the log'}")
     elif status == "interrupted":
-        lines.append(f"⚠️ **Interrupted** at step {state.get('step', 0)}: {state.get('error') or 'the process is gone'}. "
+        why = state.get("error") or "the process is gone"
+        lines.append(f"⚠️ **Interrupted** at step {state.get('step', 0)}: {why}. "
                      "Checkpoints, if any, are in the run folder (`fasttune train --resume`).")
     elif status == "stopped":
         lines.append(f"⏹ **Stopped** at step {state.get('step', 0)}; the model so far is in `final/`.")

@@ -2,10 +2,11 @@
 
 A full disk surfaces in many shapes: ``OSError [Errno 28]`` without a file name (Python's buffered
 writes), ``SafetensorError: ... No space left on device (os error 28)``, torch's zip writer
-``[enforce fail at inline_container.cc:...] unexpected pos 576 vs 534`` or ``file write failed``,
-numpy's ``1000000 requested and 0 written``. ``explain`` recognises them (also inside chained
-exceptions), finds the file system of the path being written, and says how much is free there and
-about how much the run needs. Standard library only.
+``[enforce fail at inline_container.cc:...] unexpected pos 576 vs 534`` or ``file write failed``
+(no errno, no path), numpy's ``1000000 requested and 0 written``. ``explain`` recognises them
+(also inside chained exceptions), names the path being written, the free space of its file system
+and about how much the run needs there. An export's own ``ExportWriteError`` already is such a line
+(``export/write_errors.py``, whose errno reading and wording this module shares) and is kept as it is.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 from pathlib import Path
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+from ..export.write_errors import ExportWriteError, describe, error_code, free_bytes
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_TEXT = re.compile(r"No space left|os error 28|Disk quota exceeded|requested and \d+ written|"
                         r"inline_container\.cc.*(file write failed|unexpected pos)", re.S)
 
 
 class RunIOError(OSError):
     """An OS error of a run, explained in one line (``str``): the path, what happened, what is needed."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
 
 
 def _chain(exc: BaseException):
@@ -35,8 +40,7 @@ def _chain(exc: BaseException):
 
 def is_disk_full(exc: BaseException) -> bool:
     """``exc`` (or an exception it chains) says the disk or the quota is full, in any of the known shapes."""
-    return any((isinstance(e, OSError) and e.errno in _FULL_ERRNOS) or bool(_FULL_TEXT.search(str(e)))
-               for e in _chain(exc))
+    return any(error_code(e) in _FULL_ERRNOS or bool(_FULL_TEXT.search(str(e))) for e in _chain(exc))
 
 
 def human(n: float) -> str:
@@ -66,21 +70,18 @@ def explain(exc: BaseException, where: str | Path, need_bytes: int | None = None
         need_bytes: about how much space the write needs, when known.
         what: what was being written, for the message ("a checkpoint", "the final model").
     """
+    named = next((e for e in _chain(exc) if isinstance(e, ExportWriteError)), None)
+    if named is not None:
+        return str(named)  # the export already said it in one line, about its final file
     filename = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
     path = Path(filename or where)
     if is_disk_full(exc):
-        mount = mount_point(path)
-        try:
-            free = f"{human(shutil.disk_usage(mount).free)} free on {mount}"
-        except OSError:
-            free = f"the file system of {mount} is full"
-        need = f", about {human(need_bytes)} needed" + (f" for {what}" if what else "") if need_bytes else ""
-        return f"disk full while writing {path}: {free}{need}; free some space there or use a larger disk"
-    oserr = next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno is not None), None)
-    if oserr is None:
-        return None
-    reason = oserr.strerror or errno.errorcode.get(oserr.errno, str(oserr.errno))
-    hint = {errno.EACCES: "check the folder's permissions", errno.EPERM: "check the folder's permissions",
-            errno.EROFS: "the file system is read-only: choose another --run-dir",
-            errno.EIO: "the disk reported an I/O error: check it"}.get(oserr.errno, "")
-    return f"{reason}: {path}" + (f"; {hint}" if hint else "")
+        free = free_bytes(path)
+        room = f"{human(free)} free on {mount_point(path)}" if free is not None else "no free space"
+        need = f"; {what or 'it'} needs about {human(need_bytes)}" if need_bytes else ""
+        return f"disk full writing {path}: {room}{need}; free some space there or use a larger disk"
+    for e in _chain(exc):
+        err = describe(e, path)
+        if err is not None:
+            return str(err)
+    return None

@@ -20,12 +20,12 @@ def test_the_checkpoint_being_written_and_a_complete_ones_size(tmp_path):
     (tmp_path / "checkpoint-4").mkdir()  # the save that hit the full disk
     full = OSError(errno.ENOSPC, "No space left on device")
     line = explain_failure(full, folder)
-    assert line.startswith(f"disk full while writing {tmp_path / 'checkpoint-4'}: ")
-    assert "about 3.0 MB needed for a checkpoint" in line and line.endswith(
+    assert line.startswith(f"disk full writing {tmp_path / 'checkpoint-4'}: ")
+    assert "a checkpoint needs about 3.0 MB" in line and line.endswith(
         "then `fasttune train --resume` continues from the last complete checkpoint")
     folder.write_state(phase="saving")
-    assert explain_failure(full, folder).startswith(f"disk full while writing {tmp_path / 'final'}: ")
-    assert "about 1.0 MB needed for the final model" in explain_failure(full, folder)
+    assert explain_failure(full, folder).startswith(f"disk full writing {tmp_path / 'final'}: ")
+    assert "the final model needs about 1.0 MB" in explain_failure(full, folder)
     assert explain_failure(ValueError("x"), folder) is None
 
 

@@ -59,10 +59,10 @@ def test_a_full_disk_still_records_the_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         folder.write_state(step=8, loss=[[i, 1.0] for i in range(300)])  # what failed in the first place
     assert read_state(folder.path)["step"] == 7 and not list(folder.path.glob(".state.json.*.tmp"))
-    assert folder.write_state_robustly(status="failed", error="disk full while writing x") is None
+    assert folder.write_state_robustly(status="failed", error="disk full writing x") is None
     assert not folder.reserve_file.exists() and disk.refused >= 2
     state = read_state(folder.path)
-    assert state["status"] == "failed" and state["error"] == "disk full while writing x" and len(state["loss"]) == 200
+    assert state["status"] == "failed" and state["error"] == "disk full writing x" and len(state["loss"]) == 200
 
     # no reserve left: written in place, cut down to the essential keys when the full state is larger
     monkeypatch.undo()

@@ -34,22 +34,30 @@ def test_every_shape_of_a_full_disk_is_recognised(exc, tmp_path):
     assert is_disk_full(exc)
     line = explain(exc, tmp_path / "checkpoint-20", need_bytes=12_345_678, what="a checkpoint")
     free = human(shutil.disk_usage(tmp_path).free)
-    assert line.startswith(f"disk full while writing {tmp_path / 'checkpoint-20'}: {free} free on ")
-    assert "about 12.3 MB needed for a checkpoint" in line and "\n" not in line
+    assert line.startswith(f"disk full writing {tmp_path / 'checkpoint-20'}: {free} free on ")
+    assert line.endswith("; free some space there or use a larger disk")
+    assert "; a checkpoint needs about 12.3 MB;" in line and "\n" not in line
 
 
 def test_a_file_name_carried_by_the_error_wins(tmp_path):
     exc = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.bin"))
-    assert explain(exc, tmp_path).startswith(f"disk full while writing {tmp_path / 'x.bin'}:")
-    assert "needed" not in explain(exc, tmp_path)  # no estimate given: none claimed
+    assert explain(exc, tmp_path).startswith(f"disk full writing {tmp_path / 'x.bin'}:")
+    assert "needs" not in explain(exc, tmp_path)  # no estimate given: none claimed
 
 
-def test_other_os_errors_name_the_path_and_what_to_do(tmp_path):
+def test_other_os_errors_and_export_errors_keep_their_one_line(tmp_path):
+    from fasttune.export.write_errors import ExportWriteError
+
     exc = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "final"))
-    assert explain(exc, tmp_path) == f"Permission denied: {tmp_path / 'final'}; check the folder's permissions"
-    assert explain(OSError(errno.EROFS, "Read-only file system"), tmp_path).endswith("choose another --run-dir")
+    assert explain(exc, tmp_path) == f"permission denied writing {tmp_path / 'final'}"
+    read_only = OSError(errno.EROFS, "Read-only file system")
+    assert explain(read_only, tmp_path) == f"read-only file system writing {tmp_path}"
     assert explain(ValueError("not an OS error"), tmp_path) is None
     assert not is_disk_full(ValueError("bad value"))
+    exported = ExportWriteError("disk full writing /r/merged/model.safetensors: needs ~412 MB more (3 MB free)",
+                                tmp_path / "merged" / "model.safetensors", errno.ENOSPC)
+    wrapped = _chained(RuntimeError("export failed"), exported)
+    assert explain(wrapped, tmp_path) == str(exported)  # the export's line about its own file stands
 
 
 def test_mount_point_and_sizes(tmp_path):

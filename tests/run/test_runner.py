@@ -150,8 +150,8 @@ def test_a_full_disk_at_a_checkpoint_fails_in_one_line_and_resume_skips_the_cut_
     with pytest.raises(RunIOError) as info:
         runner.train(cfg, run)
     line = str(info.value)
-    assert line.startswith(f"disk full while writing {run / 'checkpoint-4'}: ") and "\n" not in line
-    assert "needed for a checkpoint" in line and "`fasttune train --resume`" in line
+    assert line.startswith(f"disk full writing {run / 'checkpoint-4'}: ") and "\n" not in line
+    assert "a checkpoint needs about" in line and "`fasttune train --resume`" in line
     state = read_state(run)
     assert state["status"] == "failed" and state["error"] == line and state["phase"] == "training"
     assert not (run / ".state.reserve").exists()  # spent on the failure write
