@@ -32,9 +32,9 @@ def explain_failure(e: BaseException, folder: RunFolder) -> str | None:
     state = folder.read_state()
     phase = state.get("phase")
     where, what = folder.path, ""
-    if phase == "training":
+    if phase == "training":  # a checkpoint being saved, else the state or the log (the need: a checkpoint's)
         saving = [c for _, c in checkpoints(folder.path) if incomplete_reason(c) is not None]
-        where, what = (saving[-1], "a checkpoint") if saving else (folder.path, "")
+        where, what = (saving[-1] if saving else folder.path), "a checkpoint"
     elif phase == "saving":
         where, what = folder.final, "the final model"
     done = [sum(f.stat().st_size for f in c.rglob("*") if f.is_file()) for _, c in checkpoints(folder.path)

@@ -78,7 +78,7 @@ def explain(exc: BaseException, where: str | Path, need_bytes: int | None = None
     if is_disk_full(exc):
         free = free_bytes(path)
         room = f"{human(free)} free on {mount_point(path)}" if free is not None else "no free space"
-        need = f"; {what or 'it'} needs about {human(need_bytes)}" if need_bytes else ""
+        need = f"; {what or 'the run'} needs about {human(need_bytes)}" if need_bytes else ""
         return f"disk full writing {path}: {room}{need}; free some space there or use a larger disk"
     for e in _chain(exc):
         err = describe(e, path)

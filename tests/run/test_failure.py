@@ -54,3 +54,10 @@ def test_the_log_file_goes_quiet_on_a_full_disk(tmp_path, capsys):
         log.removeHandler(handler)
         handler.stream = None
     assert handler.level > logging.CRITICAL and "Logging error" not in capsys.readouterr().err
+
+
+def test_a_full_disk_between_checkpoints_names_the_run_folder_and_a_checkpoints_need(tmp_path):
+    folder = RunFolder(tmp_path)
+    folder.write_state(status="running", phase="training", checkpoint_bytes=2_000_000)
+    line = explain_failure(OSError(errno.ENOSPC, "No space left on device"), folder)  # the state or log write
+    assert line.startswith(f"disk full writing {tmp_path}: ") and "; a checkpoint needs about 2.0 MB;" in line
