@@ -1,6 +1,8 @@
 """The ``fasttune`` command line.
 
     fasttune train CONFIG.yaml [--run-dir DIR] [--set training.max_steps=20 ...] [--dry-run]
+    fasttune train [CONFIG.yaml] --run-dir DIR --resume | --overwrite     continue / redo a run there
+    fasttune status RUN_DIR [--json]      a run's state (a killed run shows as interrupted)
     fasttune export RUN_DIR [--artifacts adapter merged gguf] [--gguf q8_0 q4_0]
     fasttune push RUN_DIR --repo-id me/my-model [--token ...]      (token: --token or HF_TOKEN)
     fasttune config [--trainer dpo]       a documented run config to start from
@@ -48,8 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="fine-tune from a YAML run config", formatter_class=fmt,
                        description="Fine-tune a model as a YAML run config says; the run folder keeps the config, "
                                    "logs, state.json, metrics and the final model.", epilog=_config_epilog())
-    t.add_argument("config", help="the YAML run config")
+    t.add_argument("config", nargs="?", help="the YAML run config (with --resume: default, the run's own)")
     t.add_argument("--run-dir", help="where the run writes its files (default: runs/<name>-<date>-<time>)")
+    again = t.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest "
+                       "complete checkpoint (checkpoints cut short by a full disk or a kill are skipped)")
+    again.add_argument("--overwrite", action="store_true", help="delete the run already in --run-dir and start "
+                       "over (without --resume or --overwrite, a folder holding a run is refused)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set training.max_steps=20 (repeatable)")
     t.add_argument("--dry-run", action="store_true", help="validate the config, print it resolved, and exit")
@@ -92,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--no-dry-patch", action="store_true", help="skip building and patching tiny models")
 
+    st = sub.add_parser("status", help="show the state of a run folder",
+                        description="Status, step, loss and checkpoints of a run; a run whose process is gone "
+                                    "(killed, crashed) shows as interrupted.")
+    st.add_argument("run_dir", help="folder of a `fasttune train` run")
+    st.add_argument("--json", action="store_true", help="the state as JSON, status resolved")
+
     sub.add_parser("quickstart", add_help=False, help="the embedded-default demo (`fasttune quickstart --help`)")
     return p
 
@@ -108,11 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_CONFIG
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig: leave a host's own logging set-up alone
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(_Console())
+        root.addHandler(console)
+        root.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Hub request otherwise
     command = {"train": cmd_train, "export": cmd_export, "push": cmd_push, "config": cmd_config,
-               "doctor": cmd_doctor}[args.command]
+               "doctor": cmd_doctor, "status": cmd_status}[args.command]
     return command(args)
+
+
+class _Console(logging.Formatter):
+    """fasttune's own messages as they are; other libraries' records name their level and logger
+    (so a reader, or the Space's log panel, can tell them apart)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.name.startswith("fasttune") else f"{record.levelname} {record.name}: {text}"
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
@@ -129,25 +156,42 @@ def cmd_train(args) -> int:
     from .run.checks import validate
     from .run.config import RunConfigError, load_run_config
 
+    if args.resume and not args.run_dir:
+        return _fail("--resume needs --run-dir: the folder of the run to continue", EXIT_CONFIG)
+    config = args.config
+    if config is None:
+        if not args.resume:
+            return _fail("train: give a run config (CONFIG.yaml); `fasttune config` prints one", EXIT_CONFIG)
+        config = str(Path(args.run_dir) / "run_config.yaml")  # the run's own config
     try:
-        cfg = load_run_config(args.config, args.overrides)
-        validate(cfg, args.config)
+        cfg = load_run_config(config, args.overrides)
+        validate(cfg, config)
     except RunConfigError as e:
         return _fail(str(e), EXIT_CONFIG)
     if args.dry_run:
         print(cfg.to_yaml(), end="")
         print("config OK", file=sys.stderr)
         return EXIT_OK
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, args.config)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, config)
     print(f"fasttune: run folder {run_dir}", file=sys.stderr)
+    from .run.data_checks import DataError
+    from .run.os_errors import RunIOError, explain
+    from .run.rerun import RunFolderError
     from .run.runner import train
 
     try:
-        state = train(cfg, run_dir)
+        state = train(cfg, run_dir, overwrite=args.overwrite, resume=args.resume)
+    except RunFolderError as e:
+        return _fail(str(e), EXIT_CONFIG)
+    except (DataError, RunIOError) as e:  # one line that says what and where; the traceback is in train.log
+        return _fail(f"training failed: {e}")
+    except OSError as e:  # before the run's own handler was in place (creating the folder, say)
+        return _fail(f"training failed: {explain(e, run_dir) or e}")
     except Exception as e:  # noqa: BLE001 - the traceback is in train.log and was logged
         return _fail(f"training failed: {type(e).__name__}: {e} (see {run_dir / 'train.log'})")
     metrics = state.get("metrics", {})
-    summary = {k: metrics.get(k) for k in ("global_step", "first_loss", "last_loss", "exact_match") if k in metrics}
+    summary = {k: metrics.get(k) for k in ("global_step", "first_loss", "last_loss", "eval_loss", "exact_match")
+               if k in metrics}
     print(f"fasttune: run {state['status']}: {json.dumps(summary)}")
     if metrics.get("exact_match") is not None:
         from .embedded import describe_exact_match
@@ -156,6 +200,30 @@ def cmd_train(args) -> int:
     for kind, url in (state.get("urls") or {}).items():
         print(f"fasttune: pushed {kind}: {url}")
     return EXIT_STOPPED if state["status"] == "stopped" else EXIT_OK
+
+
+def cmd_status(args) -> int:
+    from .run.checkpoints import checkpoints, incomplete_reason
+    from .run.folder import RunFolder
+    from .run.liveness import describe, effective_status
+
+    folder = RunFolder(args.run_dir)
+    state = folder.read_state()
+    if not state:
+        return _fail(f"{args.run_dir} holds no fasttune run (no state.json)", EXIT_CONFIG)
+    if args.json:
+        print(json.dumps({**state, "status": effective_status(state), "recorded_status": state.get("status")},
+                         indent=1))
+        return EXIT_OK
+    loss = state.get("loss") or []
+    print(f"{state.get('run_name', folder.path.name)}: {describe(state)}"
+          + (f", loss {loss[-1][1]:.4f}" if loss else ""))
+    if state.get("error"):
+        print(f"  error: {state['error']}")
+    for step, path in checkpoints(folder.path):
+        why = incomplete_reason(path)
+        print(f"  {path.name}: " + ("complete" if why is None else f"incomplete ({why})"))
+    return EXIT_OK
 
 
 def _check_run_dir(run_dir: str) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -279,3 +280,142 @@ def test_the_documented_demo_learns_and_its_gguf_runs_in_llama_cpp(tmp_path):
         llm.close()
     right = sum(a == r["completion"] for a, r in zip(answers, held))
     assert right >= 14, list(zip(answers, held[:20]))  # the HF model gets >= 80% of all 200
+
+
+# --- a used run folder, a killed run, a resumed run ------------------------------------------------
+
+def test_train_refuses_a_folder_that_holds_a_run_and_status_reads_it(tmp_path, capsys, monkeypatch):
+    import fasttune.run.runner
+    from fasttune.run.checkpoints import write_marker
+    from fasttune.run.folder import RunFolder
+    from fasttune.run.liveness import identity
+
+    from fasttune.run.config import RunConfig
+
+    run = RunFolder(tmp_path / "run")
+    run.start(cli_config := RunConfig())
+    run.train_log.write_text("earlier run\n")
+    (run.path / "checkpoint-3").mkdir()
+    (run.path / "checkpoint-3" / "optimizer.pt").write_bytes(b"x")
+    write_marker(run.path / "checkpoint-3", 3)
+    run.write_state(status="running", step=4, max_steps=9, loss=[[4, 2.5]], **identity(2 ** 22 + 777))  # dead pid
+    config = tmp_path / "c.yaml"
+    config.write_text(cli_config.to_yaml())
+    monkeypatch.setattr(fasttune.run.runner, "_run", lambda *a, **k: pytest.fail("a used folder reached training"))
+    assert cli.main(["train", str(config), "--run-dir", str(run.path)]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "already holds a run (interrupted, step 4/9 (state.json says 'running', but its process" in err
+    assert "--resume continues from checkpoint-3" in err
+    assert cli.main(["train", "--resume"]) == cli.EXIT_CONFIG
+    assert "--resume needs --run-dir" in capsys.readouterr().err
+    assert cli.main(["status", str(run.path)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("run: interrupted, step 4/9") and "loss 2.5000" in out and "checkpoint-3: complete" in out
+    assert cli.main(["status", str(run.path), "--json"]) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["status"] == "interrupted"
+    assert cli.main(["status", str(tmp_path)]) == cli.EXIT_CONFIG
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_reads_as_interrupted_and_resumes_from_its_last_checkpoint(tmp_path):
+    """SIGKILL leaves state.json at "running": every reader must see "interrupted"; a plain rerun
+    must refuse (never restart at step 0 over the checkpoints); --resume continues, with one patch
+    report and a progress bar with an ETA on the console."""
+    import signal
+    import time
+
+    from fasttune.run.folder import read_state
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_name": "killed", "data": {"max_samples": 200}, "lora": {"r": 4, "alpha": 8},
+        "training": {"max_steps": 400, "per_device_train_batch_size": 4, "learning_rate": 5e-3, "logging_steps": 1,
+                     "max_length": 32, "seed": 1, "save_strategy": "steps", "save_steps": 2}}))
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_TOKEN")}
+    proc = subprocess.Popen([sys.executable, "-m", "fasttune.cli", "train", str(config), "--run-dir", str(run)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and read_state(run).get("last_checkpoint") is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = read_state(run)
+    assert state["status"] == "running" and state["pid"] == proc.pid  # what a killed run leaves behind
+    status = _fasttune("status", run)
+    assert status.returncode == 0 and status.stdout.startswith("killed: interrupted, step ")
+    again = _fasttune("train", config, "--run-dir", run)
+    assert again.returncode == cli.EXIT_CONFIG and "already holds a run (interrupted" in again.stderr
+    checkpoint = read_state(run)["last_checkpoint"]
+    step = int(checkpoint.split("-")[1])
+    resumed = _fasttune("train", "--run-dir", run, "--resume", "--set", f"training.max_steps={step + 2}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    state = read_state(run)
+    assert state["status"] == "completed" and state["resumed_from"] == checkpoint and state["step"] == step + 2
+    assert [s for s, _ in state["loss"]] == list(range(1, step + 3))  # nothing lost, nothing repeated
+    assert resumed.stderr.count("fasttune patch report") == 1  # once, not once per patching
+    assert re.search(r"\d+/\d+ \[\d\d:\d\d<\d\d:\d\d", resumed.stderr)  # a progress bar with an ETA
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 64 MB tmpfs (root only: skipped where mounting is not allowed, as on CI runners)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (the monkeypatched full-disk tests cover CI)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_fails_in_one_line_and_resume_continues(small_tmpfs, tmp_path):
+    """The issue's trial on a real full disk: the state ends "failed" with a one-line "disk full"
+    error naming the path, no traceback on the console; once space is freed, --resume continues
+    from a complete checkpoint."""
+    import time
+
+    from fasttune.run.folder import read_state
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_name": "full", "data": {"max_samples": 200}, "lora": {"r": 4, "alpha": 8},
+        "training": {"max_steps": 400, "per_device_train_batch_size": 4, "learning_rate": 5e-3, "logging_steps": 1,
+                     "max_length": 32, "seed": 1, "save_strategy": "steps", "save_steps": 2}}))
+    run = small_tmpfs / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_TOKEN")}
+    proc = subprocess.Popen([sys.executable, "-m", "fasttune.cli", "train", str(config), "--run-dir", str(run)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    filler = small_tmpfs / "filler"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and read_state(run).get("last_checkpoint") is None:
+            time.sleep(0.2)
+        with open(filler, "wb") as f:  # another program takes every byte left
+            try:
+                while True:
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    state = read_state(run)
+    assert state["status"] == "failed" and state["error"].startswith("disk full writing ")
+    line = [x for x in err.splitlines() if x.startswith("fasttune: training failed:")]
+    assert line == [f"fasttune: training failed: {state['error']}"] and "Traceback" not in err
+    print(line[0])
+    filler.unlink()
+    resumed = _fasttune("train", "--run-dir", run, "--resume", "--set",
+                        f"training.max_steps={int(state['last_checkpoint'].split('-')[1]) + 1}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_state(run)["status"] == "completed"

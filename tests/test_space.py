@@ -62,6 +62,8 @@ def app_module(tmp_path_factory):
      "fast": {"push_to_hub": True, "hub_model_id": "me/x", "gguf_quantizations": ["q4_0", "q8_0"],
               "export_artifacts": ["merged"], "rms_norm": False, "loss_workspace_mib": 256},
      "training": {"bf16": True, "learning_rate": 1e-5}},  # fast.rms_norm: not on the form, kept
+    {"data": {"eval_size": 0.1}, "training": {"eval_steps": 5, "packing": True, "report_to": "tensorboard"}},
+    {"data": {"eval_dataset": "embedded", "eval_split": "test"}, "training": {"eval_strategy": "no"}},
 ])
 def test_form_round_trips_the_cli_config(app_module, data):
     cfg = RunConfig.from_dict(data)
@@ -117,6 +119,80 @@ def test_form_checks_before_launch(app_module, tmp_path, monkeypatch):
     assert [u["visible"] for u in updates] == [True, False, False, False, True, True]
     card = app_module.card_preview("gguf", paths, values)
     assert "base_model_relation" in card and "Q8_0" in card
+
+
+def test_log_panel_drops_library_warnings(app_module, tmp_path):
+    jobs = sys.modules["jobs"]
+    log = "\n".join([
+        "fasttune: run folder runs/x",
+        "[2026-12-02 01:43:38,939] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
+        "/venv/lib/python3.11/site-packages/transformers/training_args.py:1541: FutureWarning: `gradient_checkpointing`"
+        " is deprecated", "  warnings.warn(f\"`{old}` is deprecated\", FutureWarning)",
+        "WARNING transformers.trainer: some library notice", "  its second line",
+        "fasttune patch report (llama)", "  cross_entropy      1 patched",
+        "fasttune: 3 of 60 rows have an empty 'completion' value (line 4); they teach nothing",
+        " 50%|█████     | 3/6 [00:13<00:14,  4.71s/it]"])
+    assert jobs.filter_log(log).split("\n") == [
+        "fasttune: run folder runs/x", "fasttune patch report (llama)", "  cross_entropy      1 patched",
+        "fasttune: 3 of 60 rows have an empty 'completion' value (line 4); they teach nothing",
+        " 50%|█████     | 3/6 [00:13<00:14,  4.71s/it]"]
+    (tmp_path / "console.log").write_bytes("step 1\r\x1b[A 50%|█| 1/2\r100%|█| 2/2\nWARNING datasets: noise\ndone\n"
+                                           .encode())  # redrawn bars, a cursor move, a library line
+    assert jobs.Jobs(tmp_path).log_tail(tmp_path) == "100%|█| 2/2\ndone\n"
+
+
+def test_downloads_offer_each_artifact(app_module, tmp_path):
+    import zipfile
+
+    results = sys.modules["results"]
+    run = tmp_path / "runs" / "demo-1"
+    for kind in ("adapter", "merged"):
+        (run / kind / "sub").mkdir(parents=True)
+        (run / kind / "config.json").write_text("{}")
+        (run / kind / "sub" / "w.bin").write_bytes(b"w" * 1500)
+    (run / "gguf").mkdir()
+    for quant in ("Q8_0", "F16"):
+        (run / "gguf" / f"demo-{quant}.gguf").write_bytes(b"GGUF" + b"0" * 2000)
+    state = {"status": "completed", "run_dir": str(run), "artifacts": {k: str(run / k) for k in
+                                                                      ("adapter", "merged", "gguf")}}
+    downloads = results.Downloads(tmp_path / "runs" / "downloads")
+    assert results.Downloads(tmp_path).links_md({**state, "status": "running"}) == ""
+    deadline = time.time() + 30
+    while "preparing" in (md := downloads.links_md(state)) and time.time() < deadline:
+        time.sleep(0.05)
+    ready, pending = downloads.files(state)
+    assert not pending and [label for label, _ in ready] == ["adapter", "merged", "gguf F16", "gguf Q8_0"]
+    for label, path in ready:
+        assert results.file_url(path) in md and path.parent == downloads.root / "demo-1"
+    with zipfile.ZipFile(downloads.root / "demo-1" / "demo-1-merged.zip") as z:
+        assert sorted(z.namelist()) == ["merged/config.json", "merged/sub/w.bin"]
+    assert (downloads.root / "demo-1" / "demo-F16.gguf").read_bytes()[:4] == b"GGUF"
+    text = results.result_md(state, downloads)
+    assert text.startswith("✅ **Completed**") and "**Downloads**" in text and "(2.0 KB)" in text
+    bare = results.Downloads(tmp_path / "d2")  # nothing exported: the trained model itself
+    (run / "final").mkdir()
+    (run / "final" / "config.json").write_text("{}")
+    assert [label for label, _ in bare.wanted({**state, "artifacts": {}})] == ["final"]
+
+
+def test_a_dead_training_process_reads_as_interrupted(app_module, tmp_path):
+    jobs = sys.modules["jobs"]
+    from fasttune.run.folder import read_state, write_state
+    from fasttune.run.liveness import identity
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run = tmp_path / "runs" / "killed-1"
+    run.mkdir(parents=True)
+    write_state(run, status="running", step=5, max_steps=50, loss=[[5, 2.0]], **identity(proc.pid))
+    space = jobs.Jobs(tmp_path / "runs")
+    assert space.state()["status"] == "running" and space.active() == run
+    proc.kill()
+    proc.wait()
+    state = space.state()
+    assert state["status"] == "interrupted" and "gone" in state["error"] and space.active() is None
+    assert read_state(run)["status"] == "interrupted"  # recorded: a later reader agrees
+    assert "**Interrupted** at step 5" in sys.modules["results"].result_md(state, sys.modules["results"].Downloads(
+        tmp_path / "d"))
 
 
 # --- the app as a server ------------------------------------------------------------------------
@@ -220,6 +296,8 @@ def test_api_validates_configs(space):
     assert any(e.startswith("training: unknown key 'lr'; known keys: learning_rate") for e in result["errors"])
     assert client.predict("data: {dataset: /no/such.jsonl}\n", api_name="/validate")["errors"] == [
         "data.dataset: local file '/no/such.jsonl' does not exist"]
+    bad_repo = client.predict("fast: {hub_model_id: me/bad repo!}\n", api_name="/validate")
+    assert bad_repo["ok"] is False and bad_repo["errors"][0].startswith("fast.hub_model_id: Repo id must use")
     assert client.predict("trainer: ppo\n", api_name="/start")["status"] == "invalid"
     assert not space.runs.exists() or not list(space.runs.glob("*/state.json"))  # nothing launched
 
@@ -341,3 +419,61 @@ def test_api_start_stop_and_state_after_restart(space, tmp_path):
         finally:
             ctx.close()
             pw.stop()
+
+
+@needs_chromium
+@pytest.mark.slow
+def test_browser_screenshot_of_a_finished_run_with_downloads_and_an_answer(space, tmp_path, record_property):
+    """A finished run as a user sees it: held-out eval loss, a download link per artifact (each one
+    served), and the trained model's answer in the "try it" box. The screenshot is saved (its path
+    is printed and recorded as the test's ``screenshot`` property; FASTTUNE_SCREENSHOT_DIR keeps a copy).
+    FASTTUNE_SCREENSHOT_STEPS trains longer (default 12: a quick run, whose answer is mostly noise)."""
+    steps = int(os.environ.get("FASTTUNE_SCREENSHOT_STEPS", "12"))
+    pw, ctx = _browser(tmp_path)
+    try:
+        page = ctx.new_page()
+        page.goto(space.url)
+        page.wait_for_function("document.querySelector('#data-msg')?.innerText.includes('prompt, completion')")
+        page.locator("#run-name input, #run-name textarea").first.fill("screenshot")
+        page.locator("#training-max_steps input").fill(str(steps))
+        page.locator("#training-per_device_train_batch_size input").fill("16")
+        page.locator("#data-eval_size input").fill("32")
+        for kind in ("merged", "gguf"):
+            page.locator("#export-artifacts label").filter(has_text=kind).locator("input").check()
+        page.locator("#start").click()
+        page.wait_for_function("document.querySelector('#run-progress')?.dataset.status === 'completed'",
+                               timeout=240_000 + 2_000 * steps)
+        page.wait_for_function("(() => { const r = document.querySelector('#run-result')?.innerText || '';"
+                               " return r.includes('screenshot-Q8_0.gguf') && r.includes('merged.zip')"
+                               " && !r.includes('preparing'); })()", timeout=60_000)
+        result = page.locator("#run-result").inner_text()
+        assert "eval loss" in result and f"✅ Completed {steps} steps" in result.replace("**", "")
+        links = page.locator("#run-result a").evaluate_all("els => els.map(e => [e.innerText, e.href])")
+        downloads = {text: href for text, href in links if "/gradio_api/file=" in href}
+        assert {t.split(":")[0] for t in downloads} == {"merged", "gguf Q8_0"}
+        for href in downloads.values():  # each link serves its file
+            with urllib.request.urlopen(href, timeout=30) as resp:
+                assert resp.status == 200 and len(resp.read()) > 1000
+        page.locator("#try-prompt textarea, #try-prompt input").first.fill("shift: cab =")
+        page.locator("#try-generate").click()
+        page.wait_for_function("(document.querySelector('#try-output textarea')?.value || '').length > 0",
+                               timeout=120_000)
+        answer = page.locator("#try-output textarea").input_value()
+        assert not answer.startswith(("❌", "Train a model first", "No run yet"))
+        log = page.locator("#run-log textarea").input_value()
+        assert "Warning:" not in log and "[WARNING]" not in log  # library warnings stay out of the panel
+        shot = tmp_path / "space_finished.png"
+        page.locator("#run-result").scroll_into_view_if_needed()
+        page.screenshot(path=str(shot), full_page=True)
+    finally:
+        ctx.close()
+        pw.stop()
+    assert shot.stat().st_size > 20_000
+    keep = os.environ.get("FASTTUNE_SCREENSHOT_DIR")
+    if keep:
+        import shutil
+
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, Path(keep) / shot.name)
+    record_property("screenshot", str(shot))
+    print(f"screenshot of the finished run: {shot} (answer: {answer!r})")

@@ -15,18 +15,18 @@ GRADIO_SERVER_NAME / GRADIO_SERVER_PORT.
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import gradio as gr
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # jobs.py beside this file
 
+from form import build_config, dict_to_form, form_to_dict, problems_md  # noqa: E402,F401 - the tests use them here
 from jobs import Jobs  # noqa: E402
+from results import Downloads, result_md  # noqa: E402
 
 from fasttune.run import data as run_data  # noqa: E402
 from fasttune.config import ARTIFACTS, GGUF_QUANTIZATIONS, MERGED_DTYPES  # noqa: E402
@@ -35,107 +35,15 @@ from fasttune.hub_cards import render_card  # noqa: E402
 from fasttune.run.checks import check_sources  # noqa: E402
 from fasttune.run.config import (DTYPES, FORMATS, METHODS, OPTIMIZERS, SCHEDULERS, TRAINERS, RunConfig,  # noqa: E402
                                  RunConfigError, field_help, parse_run_config)
+from fasttune.run.generate import RunGenerator  # noqa: E402
 from fasttune.run.sources import EMBEDDED, classify_dataset, classify_model, hub_offline  # noqa: E402
 
 ROLES = ("prompt", "completion", "messages", "text", "chosen", "rejected")
 HELP = field_help()
 # On Hugging Face Spaces with persistent storage, /data survives restarts; elsewhere ./runs.
 JOBS = Jobs(os.environ.get("FASTTUNE_SPACE_RUNS") or ("/data/fasttune-runs" if os.path.isdir("/data") else "runs"))
-
-
-# --- form <-> run config ------------------------------------------------------------------------
-# Each form field is (dotted config path, component); "data.columns.<role>" are the mapping dropdowns.
-
-def _path_get(d: dict, path: str, default=None):
-    for key in path.split("."):
-        if not isinstance(d, dict) or key not in d:
-            return default
-        d = d[key]
-    return d
-
-
-def _path_set(d: dict, path: str, value) -> None:
-    keys = path.split(".")
-    for key in keys[:-1]:
-        d = d.setdefault(key, {})
-    d[keys[-1]] = value
-
-
-def form_to_dict(paths: list[str], values: list[Any]) -> dict[str, Any]:
-    """The run-config mapping the form describes (not yet validated)."""
-    given = dict(zip(paths, values, strict=True))
-    # "*" holds the last imported config: fields the form does not show survive the round trip.
-    data: dict[str, Any] = copy.deepcopy(given.get("*") or {})
-    data.setdefault("data", {})["columns"] = {}
-    trainer = given.get("trainer", "sft")
-    roles = {r for fmt in FORMATS.get(trainer, ()) for r in fmt}
-    for path, value in zip(paths, values, strict=True):
-        if path == "*":
-            continue
-        if path.startswith("data.columns."):
-            role = path.rsplit(".", 1)[1]
-            if value and role in roles:
-                _path_set(data, path, value)
-            continue
-        if path == "lora.target_modules":
-            items = [v.strip() for v in str(value or "").split(",") if v.strip()]
-            value = items[0] if len(items) == 1 else items  # the run config turns a bare name into a list
-        elif path == "training.bf16":
-            value = {"true": True, "false": False}.get(value, value)
-        elif path == "fast.checkpointing":
-            value = None if value in (None, "", "none") else value
-        elif path in ("fast.hub_model_id", "run_name", "model.revision", "data.config_name"):
-            value = (value or "").strip() or None
-        elif path == "data.max_samples":
-            value = int(value) if value else None
-        elif isinstance(value, float) and value.is_integer() and path in _INT_FIELDS:
-            value = int(value)
-        _path_set(data, path, value)
-    return data
-
-
-_INT_FIELDS = {"lora.r", "training.max_steps", "training.per_device_train_batch_size", "training.seed",
-               "training.gradient_accumulation_steps", "training.max_length", "training.logging_steps"}
-
-
-def dict_to_form(paths: list[str], cfg: RunConfig) -> list[Any]:
-    """Form values showing ``cfg`` (the inverse of ``form_to_dict`` on valid configs)."""
-    data = cfg.to_dict()
-    out = []
-    for path in paths:
-        value = _path_get(data, path)
-        if path == "*":
-            value = data
-        elif path.startswith("data.columns."):
-            value = data["data"]["columns"].get(path.rsplit(".", 1)[1], "")
-        elif path == "lora.target_modules":
-            value = value if isinstance(value, str) else ", ".join(value)
-        elif path == "training.bf16":
-            value = {True: "true", False: "false"}.get(value, value)
-        elif path == "fast.checkpointing":
-            value = value or "none"
-        elif value is None and path in ("fast.hub_model_id", "run_name", "model.revision", "data.config_name"):
-            value = ""
-        elif path == "data.max_samples":
-            value = value or 0
-        out.append(value)
-    return out
-
-
-def build_config(paths, values) -> tuple[RunConfig | None, list[str]]:
-    """(config, problems): schema errors first; then sources (paths, offline Hub ids, columns)."""
-    try:
-        cfg = RunConfig.from_dict(form_to_dict(paths, values))
-    except RunConfigError as e:
-        return None, e.errors
-    return cfg, check_sources(cfg)
-
-
-def problems_md(problems: list[str], ok_text: str) -> str:
-    if not problems:
-        return f"✅ {ok_text}"
-    return "❌ **Fix before starting:**\n" + "\n".join(f"- `{p.split(':', 1)[0]}`:{p.split(':', 1)[1]}"
-                                                        if ":" in p else f"- {p}" for p in problems)
+DOWNLOADS = Downloads(JOBS.root / "downloads")  # the one folder the app lets Gradio serve
+GENERATE = RunGenerator(max_new_tokens=32)
 
 
 # --- dataset preview ------------------------------------------------------------------------------
@@ -223,44 +131,25 @@ def run_view():
     head = f"**{state.get('run_name', Path(state['run_dir']).name)}** · {status}" + (
         f" · step {step}/{total}" if total and total > 0 else f" · step {step}") + last
     plot = pd.DataFrame(loss, columns=["step", "loss"]) if loss else pd.DataFrame({"step": [], "loss": []})
-    return head, _progress_html(step, total, status), plot, JOBS.log_tail(), result_md(state)
+    return head, _progress_html(step, total, status), plot, JOBS.log_tail(), result_md(state, DOWNLOADS)
+
+
+def try_it(prompt: str) -> str:
+    """The latest finished run's greedy answer to ``prompt``."""
+    state = JOBS.state()
+    if state.get("status") not in ("completed", "stopped"):
+        return "Train a model first: the latest run has not finished." if state else "No run yet."
+    try:
+        answer = GENERATE(state["run_dir"], prompt)
+    except (ValueError, FileNotFoundError) as e:
+        return f"❌ {e}"
+    return answer if answer.strip() else f"(only whitespace: {answer!r}; the model has not learned much yet)"
 
 
 def _progress_html(step: int, total: int, status: str) -> str:
     frac = min(step / total, 1.0) if total and total > 0 else (1.0 if status == "completed" else 0.0)
     return (f'<div id="run-progress" data-status="{status}" data-step="{step}" data-total="{total}">'
             f'<progress max="1" value="{frac:.3f}" style="width:100%"></progress> {frac:.0%}</div>')
-
-
-def result_md(state: dict) -> str:
-    status = state.get("status")
-    lines = []
-    if status == "failed":
-        lines.append(f"❌ **Failed:** {state.get('error') or 'see the log'}")
-    elif status == "stopped":
-        lines.append(f"⏹ **Stopped** at step {state.get('step', 0)}; the model so far is in `final/`.")
-    elif status == "completed":
-        m = state.get("metrics") or {}
-        lines.append(f"✅ **Completed** {m.get('global_step', state.get('step'))} steps, loss "
-                     f"{_fmt(m.get('first_loss'))} → {_fmt(m.get('last_loss'))}"
-                     + (f"; {_exact_match_note(m)}" if m.get("exact_match") is not None else ""))
-    for kind, folder in (state.get("artifacts") or {}).items():
-        lines.append(f"- {kind}: `{folder}`")
-    for kind, url in (state.get("urls") or {}).items():
-        lines.append(f"- pushed {kind}: [{url.rstrip('/').split('/', 3)[-1]}]({url})")
-    if state.get("run_dir"):
-        lines.append(f"\nRun folder: `{state['run_dir']}`")
-    return "\n".join(lines)
-
-
-def _exact_match_note(metrics: dict) -> str:
-    from fasttune.embedded import describe_exact_match
-
-    return describe_exact_match(metrics["exact_match"], metrics.get("exact_match_rows"))
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
 
 
 def start_run(paths, values, token: str | None = None) -> str:
@@ -360,6 +249,14 @@ def build_app() -> gr.Blocks:
                     data_msg = gr.Markdown(elem_id="data-msg")
                     table = gr.Dataframe(label="Preview (first rows)", interactive=False, max_height=220,
                                          elem_id="preview")
+                    with gr.Row():  # held-out data: an eval loss during and after training
+                        add("data.eval_dataset", gr.Textbox("", label="Eval dataset", info=HELP["data.eval_dataset"],
+                                                            elem_id="eval-dataset", scale=2))
+                        add("data.eval_split", gr.Textbox("", label="Eval split", info=HELP["data.eval_split"],
+                                                          elem_id="eval-split"))
+                        add("data.eval_size", _num("data.eval_size", "Hold out for eval", 0))
+                        add("training.eval_steps", _num("training.eval_steps", "Eval every (0: logging steps)", 0,
+                                                        precision=0))
                 with gr.Group():
                     with gr.Row():
                         add("method", gr.Radio(list(METHODS), value=defaults.method, label="Method",
@@ -413,6 +310,10 @@ def build_app() -> gr.Blocks:
                     with gr.Row():
                         add("data.config_name", gr.Textbox("", label="Dataset config", info=HELP["data.config_name"]))
                         add("data.split", gr.Textbox("train", label="Dataset split"))
+                    with gr.Row():
+                        add("training.packing", gr.Checkbox(False, label="Packing", info=HELP["training.packing"]))
+                        add("training.assistant_only_loss", gr.Checkbox(False, label="Assistant-only loss",
+                                                                        info=HELP["training.assistant_only_loss"]))
                 with gr.Accordion("Export and push", open=True):
                     with gr.Row():
                         add("fast.export_artifacts", gr.CheckboxGroup(list(ARTIFACTS), value=[], label="Export",
@@ -450,6 +351,13 @@ def build_app() -> gr.Blocks:
                 plot = gr.LinePlot(pd.DataFrame({"step": [], "loss": []}), x="step", y="loss", label="Training loss",
                                    elem_id="loss-plot", height=260)
                 result = gr.Markdown(elem_id="run-result")
+                with gr.Group():
+                    gr.Markdown("**Try it**: the latest finished run's model answers (greedy)")
+                    with gr.Row():
+                        try_prompt = gr.Textbox("", label="Prompt", placeholder="shift: cab =", elem_id="try-prompt",
+                                                scale=3)
+                        try_btn = gr.Button("Generate", elem_id="try-generate", scale=1)
+                    try_out = gr.Textbox(label="Answer", interactive=False, elem_id="try-output")
                 logs = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="run-log")
 
         paths = [p for p, _ in fields]
@@ -469,6 +377,8 @@ def build_app() -> gr.Blocks:
         start_btn.click(lambda tok, *vals: start_run(paths, list(vals), tok), [token, *comps], action_msg).then(
             run_view, None, view)
         stop_btn.click(lambda: _stopped_msg(JOBS.stop()), None, action_msg).then(run_view, None, view)
+        try_btn.click(try_it, try_prompt, try_out, api_name="generate")
+        try_prompt.submit(try_it, try_prompt, try_out, api_visibility="private")
         # Polls files only: cheap, so no concurrency limit (several open tabs never queue behind each other).
         gr.Timer(1.0).tick(run_view, None, view, show_progress="hidden", concurrency_limit=None,
                            api_visibility="private")
@@ -505,5 +415,6 @@ def _stopped_msg(state: dict) -> str:
 demo = build_app()
 
 if __name__ == "__main__":
+    DOWNLOADS.root.mkdir(parents=True, exist_ok=True)
     demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"), show_error=True,
-                ssr_mode=False, footer_links=["api"])
+                ssr_mode=False, footer_links=["api"], allowed_paths=[str(DOWNLOADS.root.resolve())])

@@ -8,12 +8,15 @@ own session) and can still be stopped through the pid in its state.
 
 Stop = SIGTERM to the subprocess's process group: fasttune finishes the current step, saves the
 model so far, skips export/push and marks the run "stopped". A process that does not exit within
-``grace`` seconds is killed and the run is marked stopped here.
+``grace`` seconds is killed and the run is marked stopped here. A run whose process died without
+a final status (killed, out of memory, the machine restarted) is marked "interrupted"
+(``fasttune.run.liveness``: the pid and its start time are in the state).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,21 +27,35 @@ from pathlib import Path
 
 from fasttune.run.config import RunConfig
 from fasttune.run.folder import TERMINAL, read_state, write_state
+from fasttune.run.liveness import identity, is_alive
 
 
-def _alive(pid: int | None) -> bool:
-    """True when ``pid`` runs and is a fasttune process (guards against pid reuse)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc (macOS): trust the pid
-    return b"fasttune" in cmdline and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+def _alive(state: dict) -> bool:
+    """The run's recorded process still runs (the same process: a reused pid has another start time)."""
+    return is_alive(state.get("pid"), state.get("pid_start"))
+
+
+# Library warnings, not the run's own messages: Python's warnings (their source line follows,
+# indented), DeepSpeed/accelerate's bracketed "[WARNING]" lines, and other libraries' log records
+# at WARNING ("WARNING transformers.trainer: ...", as the fasttune CLI formats them).
+_WARNING_LINE = re.compile(r"^(\S+\.py:\d+: \w*Warning: |\[[\d\- :,.]+\] \[WARNING\] |WARNING (?!fasttune)[\w.]+: )")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal escapes (tqdm's nested bars move the cursor up)
+
+
+def filter_log(text: str) -> str:
+    """``text`` without library warnings (each with its indented continuation lines)."""
+    out, skipping = [], False
+    for line in text.split("\n"):
+        if _WARNING_LINE.match(line):
+            skipping = True
+            continue
+        if skipping and line.startswith((" ", "\t")) and line.strip():
+            continue
+        skipping = False
+        out.append(line)
+    return "\n".join(out)
 
 
 class Jobs:
@@ -70,7 +87,8 @@ class Jobs:
 
     def state(self, run_dir: Path | None = None) -> dict:
         """The state of ``run_dir`` (default: the latest run), reconciled with its process: a run
-        whose process is gone without a final status is marked failed (or stopped, exit code 3)."""
+        whose process is gone without a final status is marked interrupted (killed by a signal, or
+        gone while the app was down), failed (another exit code) or stopped (exit code 3)."""
         run_dir = run_dir or self.latest()
         if run_dir is None:
             return {}
@@ -78,16 +96,19 @@ class Jobs:
         if state.get("status") in TERMINAL or not state:
             return {**state, "run_dir": str(run_dir)}
         proc = self._proc if self._proc is not None and self._proc.pid == state.get("pid") else None
-        running = proc.poll() is None if proc is not None else _alive(state.get("pid"))
+        running = proc.poll() is None if proc is not None else _alive(state)
         if not running:
             code = proc.returncode if proc is not None else None
             if code == 3:
                 state = write_state(run_dir, status="stopped", finished_at=time.time())
+            elif code is not None and code >= 0:
+                state = write_state(run_dir, status="failed", finished_at=time.time(), error=state.get("error")
+                                    or f"the training process exited with code {code}; see the log")
             else:
-                why = (f"the training process exited with code {code}" if code is not None
-                       else "the training process is gone (was the app restarted?)")
-                state = write_state(run_dir, status="failed", finished_at=time.time(),
-                                    error=state.get("error") or f"{why}; see the log")
+                why = (f"killed by signal {-code}" if code is not None
+                       else "gone: killed, crashed, or the app or machine restarted")
+                state = write_state(run_dir, status="interrupted", finished_at=time.time(),
+                                    error=state.get("error") or f"the training process was {why}; see the log")
         return {**state, "run_dir": str(run_dir)}
 
     def active(self) -> Path | None:
@@ -102,8 +123,10 @@ class Jobs:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - max_bytes))
             text = f.read().decode("utf-8", "replace")
-        # Progress bars redraw with carriage returns: keep the last state of each line.
-        return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())
+        # Progress bars redraw with carriage returns: keep the last state of each line (split on
+        # newlines only: str.splitlines splits at carriage returns too); drop their cursor moves.
+        text = _ANSI.sub("", text)
+        return filter_log("\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")))
 
     # --- start / stop -----------------------------------------------------------------------
 
@@ -127,7 +150,7 @@ class Jobs:
                     [sys.executable, "-m", "fasttune.cli", "train", str(config_path), "--run-dir", str(run_dir)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True)
-            write_state(run_dir, status="starting", pid=self._proc.pid, created_at=time.time(),
+            write_state(run_dir, status="starting", **identity(self._proc.pid), created_at=time.time(),
                         run_name=name, trainer=cfg.trainer, method=cfg.method, loss=[], step=0,
                         max_steps=cfg.training.max_steps)
             return run_dir
@@ -137,14 +160,15 @@ class Jobs:
         run = self.active()
         if run is None:
             return self.state()
-        pid = read_state(run).get("pid")
+        recorded = read_state(run)
+        pid = recorded.get("pid")
         proc = self._proc if self._proc is not None and self._proc.pid == pid else None
-        if pid and (proc is not None or _alive(pid)):
+        if pid and (proc is not None or _alive(recorded)):
             self._signal(pid, signal.SIGTERM)
             deadline = time.time() + self.grace
-            while time.time() < deadline and (proc.poll() is None if proc is not None else _alive(pid)):
+            while time.time() < deadline and (proc.poll() is None if proc is not None else _alive(recorded)):
                 time.sleep(0.2)
-            if proc.poll() is None if proc is not None else _alive(pid):
+            if proc.poll() is None if proc is not None else _alive(recorded):
                 self._signal(pid, signal.SIGKILL)
                 if proc is not None:
                     proc.wait(10)

@@ -10,7 +10,6 @@ from transformers import Trainer, TrainerCallback
 
 from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import PatchReport, patch_model, patch_report
-from ..model_patches.report import log_report
 from .call_counts import CallCounts
 
 logger = logging.getLogger("fasttune")
@@ -46,9 +45,7 @@ class FastPatchCallback(TrainerCallback):
         # checkpointer; train() has not run yet, so clearing the flag stops HF wrapping layers too.
         self.config = resolve_checkpointing(args, self.config)
         self.report = patch_model(model, self.config)
-        self.call_counts.reports["model"] = self.report
-        if state.is_world_process_zero:
-            log_report(self.report)
+        self.call_counts.reports["model"] = self.report  # patch_model logged it (once per model)
         return control
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -90,8 +87,6 @@ class FastPatchCallback(TrainerCallback):
             return  # PEFT (the policy without its adapters) or no reference; or patched at an earlier train()
         self.ref_report = patch_reference(ref, args, self.config)
         self.call_counts.reports["reference model"] = self.ref_report
-        if state.is_world_process_zero:
-            log_report(self.ref_report)
 
 
 def calling_trainer(callback: TrainerCallback) -> Trainer | None:

@@ -168,9 +168,8 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
         logger.warning("fasttune: %s loaded in 4-bit without LoRA: fine for inference; training needs adapters", name)
 
     from ..model_patches import patch_model
-    from ..model_patches.report import log_report
 
-    log_report(patch_model(model, fast_config or FastConfig()))
+    patch_model(model, fast_config or FastConfig())  # logs its report (once per model instance)
     return model, processor
 
 

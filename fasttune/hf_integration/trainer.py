@@ -10,7 +10,6 @@ from transformers.trainer_pt_utils import LabelSmoother
 from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
-from ..model_patches.report import log_report
 from .call_counts import CallCounts
 from .distributed import DistributedHeadCallback, gathered_weights, release_fsdp_checkpointing, set_ddp_defaults
 from .throughput import ThroughputMeter
@@ -32,9 +31,7 @@ class FastTrainerMixin:
         set_ddp_defaults(training_args, self.fast_config)  # before the Trainer builds its DDP kwargs
 
     def _fast_after_init(self) -> None:
-        self.patch_report = patch_model(self.model, self.fast_config)
-        if self.is_world_process_zero():
-            log_report(self.patch_report)
+        self.patch_report = patch_model(self.model, self.fast_config)  # logged there, once per model
         head = head_forward(find_causal_lm(self.model))
         if head is not None and getattr(self, "label_smoother", None) is not None:
             # Same math as HF's LabelSmoother, inside the fused kernel: the logits stay unmaterialised.

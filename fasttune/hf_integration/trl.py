@@ -31,7 +31,7 @@ import trl
 from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import PatchReport, find_causal_lm, patch_model, patch_report
 from ..model_patches.head import TrlHeadSettings, configure_trl_head, head_forward, install_trl_head
-from ..model_patches.report import describe_forward, log_report
+from ..model_patches.report import describe_forward
 from ..model_patches.trl_head import provides_fused_head
 from .throughput import ThroughputMeter
 from .distributed import set_ddp_defaults
@@ -182,8 +182,6 @@ class FastTrlTrainerMixin(FastTrainerMixin):
         if ref is not None:
             self.ref_patch_report = patch_reference(ref, self.args, self.fast_config)
             self._call_counts.reports["reference model"] = self.ref_patch_report
-            if self.is_world_process_zero():
-                log_report(self.ref_patch_report)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.fast_config.log_throughput and model.training and "prompt_mask" in inputs:

@@ -22,7 +22,7 @@ from .lora import patch_lora
 from .mlp import patch_mlp
 from .moe import patch_moe
 from .norm import patch_norms
-from .report import PatchReport
+from .report import PatchReport, log_report
 from .residual import patch_residuals
 from .vision import patch_vision_tower
 
@@ -69,8 +69,8 @@ def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchRepo
         classes = resolve_classes(spec)
         for patcher in PATCHERS:
             patcher(base, spec, classes, config, report)
-        logger.info("%s", report)
     base.__dict__[STATE_ATTR] = report
+    log_report(report, base)  # once per instance and outcome: a re-patch with the same result stays quiet
     return report
 
 

@@ -11,6 +11,7 @@ fused, and why).
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -132,9 +133,26 @@ def describe_forward(fn) -> str:
     return f"{type(fn).__module__}.{type(fn).__qualname__}"
 
 
-def log_report(report: PatchReport) -> None:
-    """Log the report: at WARNING when something stayed stock, else at INFO."""
-    logger.log(logging.WARNING if report.fallbacks else logging.INFO, "%s", report)
+LOGGED_ATTR = "_fasttune_logged_report"  # on the model instance: the text of the report last logged for it
+
+
+def log_report(report: PatchReport, model: object | None = None) -> bool:
+    """Log the report: at WARNING when something stayed stock, else at INFO; returns whether it logged.
+
+    With ``model``, once per model instance: a model patched again with the same outcome (the
+    loader patches, then the Trainer re-patches with the same config) is not logged again; a
+    different outcome is. Ranks other than 0 of a launched job (``RANK`` set by torchrun/accelerate)
+    log nothing: rank 0 speaks for them.
+    """
+    if os.environ.get("RANK", "0") not in ("0", ""):
+        return False
+    text = str(report)
+    if model is not None:
+        if getattr(model, "__dict__", {}).get(LOGGED_ATTR) == text:
+            return False
+        model.__dict__[LOGGED_ATTR] = text
+    logger.log(logging.WARNING if report.fallbacks else logging.INFO, "%s", text)
+    return True
 
 
 def log_calls(report: PatchReport, label: str = "model") -> None:

@@ -12,7 +12,8 @@ from .sources import EMBEDDED, in_hub_cache, classify_dataset, classify_model, h
 def check_sources(cfg: RunConfig) -> list[str]:
     """Problems with the model and dataset sources that can be found without loading them: paths
     that do not exist, Hub ids while HF_HUB_OFFLINE is set and nothing is cached, column mappings
-    that a local file does not have, QLoRA without bitsandbytes. Returns ``field: reason`` lines."""
+    that a local file (training or eval) does not have, QLoRA or a tracker without its package, a Hub
+    repo id that huggingface_hub would refuse. Returns ``field: reason`` lines."""
     errors = []
     try:
         kind = classify_model(cfg.model.base)
@@ -21,16 +22,36 @@ def check_sources(cfg: RunConfig) -> list[str]:
                           "the local cache; use a local folder or 'embedded', or unset HF_HUB_OFFLINE")
     except ValueError as e:
         errors.append(f"model.base: {e}")
+    available = _dataset_errors("data.dataset", cfg.data.dataset, cfg, errors)
+    if cfg.data.eval_dataset is not None:
+        _dataset_errors("data.eval_dataset", cfg.data.eval_dataset, cfg, errors)
+    if cfg.training.assistant_only_loss and available is not None and not cfg.data.columns \
+            and "messages" not in available:
+        errors.append(f"training.assistant_only_loss: needs chat data (a messages column); the dataset has "
+                      f"{', '.join(available)} (prompt/completion data already trains on the completion only)")
+    errors += _package_errors(cfg)
+    errors += _hub_id_errors(cfg)
+    return errors
+
+
+def _dataset_errors(field: str, name: str, cfg: RunConfig, errors: list[str]) -> list[str] | None:
+    """Appends what is wrong with one dataset source; returns its columns when they are known locally."""
     try:
-        kind = classify_dataset(cfg.data.dataset)
-        if kind == "hub" and hub_offline() and not in_hub_cache(cfg.data.dataset, "dataset"):
-            errors.append(f"data.dataset: {cfg.data.dataset!r} is a Hub id but HF_HUB_OFFLINE is set and it is "
+        kind = classify_dataset(name)
+        if kind == "hub" and hub_offline() and not in_hub_cache(name, "dataset"):
+            errors.append(f"{field}: {name!r} is a Hub id but HF_HUB_OFFLINE is set and it is "
                           "not in the local cache; upload a file or use 'embedded'")
         elif kind in ("local", EMBEDDED):
-            available = data.available_columns(cfg.data.dataset, cfg.trainer)
+            available = data.available_columns(name, cfg.trainer)
             errors += data.column_errors(cfg.trainer, cfg.data.columns, available)
+            return available
     except ValueError as e:
-        errors.append(f"data.dataset: {e}")
+        errors.append(f"{field}: {e}")
+    return None
+
+
+def _package_errors(cfg: RunConfig) -> list[str]:
+    errors = []
     if cfg.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         errors.append("method: 'qlora' needs bitsandbytes (pip install 'fasttune[qlora]')")
     fast = cfg.fast
@@ -41,7 +62,28 @@ def check_sources(cfg: RunConfig) -> list[str]:
         if k_quants and importlib.util.find_spec("llama_cpp") is None:
             errors.append(f"fast.gguf_quantizations: {', '.join(k_quants)} need llama-cpp-python "
                           "(pip install 'fasttune[gguf-kquants]'; see the README for its build flags)")
+    report_to = cfg.training.report_to
+    for tracker in [report_to] if isinstance(report_to, str) else report_to:
+        modules = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(tracker, ())
+        if modules and not any(importlib.util.find_spec(m) for m in modules):
+            errors.append(f"training.report_to: {tracker!r} needs the {tracker} package "
+                          f"(pip install 'fasttune[{tracker}]')")
     return errors
+
+
+def _hub_id_errors(cfg: RunConfig) -> list[str]:
+    """huggingface_hub's own repo-id rules, so ``me/bad repo!`` fails here and not after training."""
+    repo = cfg.fast.hub_model_id
+    if repo is None:
+        return []
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        return [f"fast.hub_model_id: {e}"]
+    return []
 
 
 def validate(cfg: RunConfig, source: str | None = None) -> None:

@@ -3,11 +3,12 @@
 Sections (every key documented by ``field_help()``; ``fasttune train --help`` prints them)::
 
     model:    {base, revision, dtype}
-    data:     {dataset, config_name, split, columns, max_samples}
+    data:     {dataset, config_name, split, columns, max_samples, eval_dataset, eval_split, eval_size}
     trainer:  sft | dpo
     method:   lora | qlora | full
     lora:     {r, alpha, dropout, target_modules}
-    training: {learning_rate, num_train_epochs, max_steps, per_device_train_batch_size, ...}
+    training: {learning_rate, num_train_epochs, max_steps, per_device_train_batch_size, ..., eval_strategy,
+               eval_steps, packing, assistant_only_loss, report_to}
     fast:     every FastConfig field (kernels, checkpointing, export and push targets)
     run_name: optional name of the run
 
@@ -37,6 +38,10 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
               "adafactor", "sgd", "lion_8bit")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
+EVAL_STRATEGIES = ("auto", "no", "steps", "epoch")
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+# Experiment trackers the Trainer reports to; each is an optional extra (pip install 'fasttune[wandb]').
+REPORT_TO = ("none", "tensorboard", "wandb")
 # Column roles per trainer: each tuple is one accepted dataset format (TRL's names).
 FORMATS = {"sft": (("prompt", "completion"), ("messages",), ("text",)),
            "dpo": (("prompt", "chosen", "rejected"), ("chosen", "rejected"))}
@@ -77,6 +82,13 @@ class DataSection:
                        "columns")
     max_samples: int | None = _f(None, "Train on at most this many rows (embedded: rows generated, default "
                                        "2000).", "int", nullable=True, min=1)
+    eval_dataset: str | None = _f(None, "Held-out data to evaluate on: a Hub id, a local file, or 'embedded' "
+                                        "(held-out rows of the embedded task); same columns as the training data.",
+                                  "str", nullable=True)
+    eval_split: str | None = _f(None, "Split of a Hub dataset to evaluate on (of eval_dataset, else of dataset), "
+                                      "e.g. test or validation.", "str", nullable=True)
+    eval_size: float = _f(0.0, "Hold out this share (< 1) or number of rows (>= 1) of the training data for "
+                               "evaluation; 0: none.", "float", min=0)
 
 
 @dataclass
@@ -112,6 +124,19 @@ class TrainingSection:
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints.", "int", nullable=True, min=1)
     beta: float = _f(0.1, "DPO: strength of the KL penalty towards the reference model.", "float", min=0,
                      exclusive_min=True)
+    eval_strategy: str = _f("auto", "When to evaluate on the eval data: auto (every eval_steps when there is eval "
+                                    "data, else never), no, steps, epoch. The run always ends with an evaluation "
+                                    "when there is eval data.", "str", choices=EVAL_STRATEGIES)
+    eval_steps: int | None = _f(None, "Evaluate every this many steps (default: logging_steps).", "int",
+                                nullable=True, min=1)
+    packing: bool = _f(False, "SFT: pack several rows into each max_length sequence (fewer padding tokens; "
+                              "attention stays within each row).", "bool")
+    packing_strategy: str = _f("bfd", "SFT packing: bfd (best-fit, truncates long rows), bfd_split (splits them) "
+                                      "or wrapped (cuts rows anywhere).", "str", choices=PACKING_STRATEGIES)
+    assistant_only_loss: bool = _f(False, "SFT on chat data (a messages column): train on the assistant turns only. "
+                                          "prompt/completion data always trains on the completion only.", "bool")
+    report_to: Any = _f("none", "Experiment trackers: none, tensorboard, wandb, or a list of them (extras: "
+                                "pip install 'fasttune[tensorboard]' / 'fasttune[wandb]').", "report_to")
 
 
 _SECTIONS = {"model": ModelSection, "data": DataSection, "lora": LoraSection, "training": TrainingSection}
@@ -273,6 +298,13 @@ def _value(path: str, value, rules, errors: list[str]):
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             errors.append(f"{path}: expected 'all-linear' or a non-empty list of module names, got {value!r}")
             return _BAD
+    if kind == "report_to":
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items or not all(isinstance(v, str) and v in REPORT_TO for v in items) \
+                or ("none" in items and len(items) > 1):
+            errors.append(f"{path}: expected none, or one or a list of {', '.join(REPORT_TO[1:])}; got {value!r}")
+            return _BAD
+        return value if isinstance(value, str) else list(dict.fromkeys(items))
     if kind == "columns":
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             errors.append(f"{path}: expected a mapping role -> column name, got {value!r}")
@@ -338,10 +370,43 @@ def _cross_checks(cfg: RunConfig, errors: list[str]) -> None:
     if cols and set(cols) <= set(roles) and set(cols) not in [set(f) for f in FORMATS[cfg.trainer]]:
         errors.append(f"data.columns: roles {', '.join(sorted(cols))} are not a {cfg.trainer} format; "
                       f"give {formats}")
+    _eval_checks(cfg, errors)
+    t = cfg.training
+    if cfg.trainer != "sft":
+        errors += [f"training.{k}: SFT only (trainer is {cfg.trainer})" for k in ("packing", "assistant_only_loss")
+                   if getattr(t, k)]
+    elif t.assistant_only_loss and cols and "messages" not in cols:
+        errors.append("training.assistant_only_loss: needs chat data (data.columns.messages); prompt/completion data "
+                      "already trains on the completion only")
     if cfg.method == "full" and "adapter" in cfg.fast.export_artifacts:
         errors.append("fast.export_artifacts: 'adapter' needs method lora or qlora (method is full)")
     if cfg.method == "full" and cfg.fast.push_to_hub and cfg.fast.push_artifacts == ("adapter",):
         errors.append("fast.push_artifacts: only 'adapter', but method full trains no adapter")
+
+
+def _eval_checks(cfg: RunConfig, errors: list[str]) -> None:
+    d = cfg.data
+    if d.eval_dataset is not None and d.eval_size > 0:
+        errors.append("data.eval_size: give eval_dataset or eval_size, not both")
+    if d.eval_size >= 1 and not float(d.eval_size).is_integer():
+        errors.append(f"data.eval_size: a share must be < 1 and a row count whole, got {d.eval_size}")
+    if d.eval_split is not None and d.eval_size > 0:
+        errors.append("data.eval_split: give eval_split or eval_size, not both")
+    if cfg.training.eval_strategy in ("steps", "epoch") and not has_eval_data(cfg):
+        errors.append(f"training.eval_strategy: {cfg.training.eval_strategy!r} needs eval data "
+                      "(data.eval_dataset, data.eval_split or data.eval_size)")
+
+
+def has_eval_data(cfg: RunConfig) -> bool:
+    """The config names held-out data: an eval dataset, an eval split or a share of the training rows."""
+    d = cfg.data
+    return d.eval_dataset is not None or d.eval_split is not None or d.eval_size > 0
+
+
+def eval_strategy(cfg: RunConfig) -> str:
+    """The Trainer's eval_strategy: ``auto`` resolved (steps with eval data, else no)."""
+    strategy = cfg.training.eval_strategy
+    return ("steps" if has_eval_data(cfg) else "no") if strategy == "auto" else strategy
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from .config import FORMATS
+from .data_checks import DataError, Rows, check_rows, locate_load_error
 from .sources import EMBEDDED, classify_dataset
 
 EMBEDDED_ROWS = 2000
+EMBEDDED_EVAL_ROWS = 200
+EMBEDDED_EVAL_SEED = 10_000  # held-out words: the seed offset the embedded exact-match set uses too
 
 
 def embedded_rows(trainer: str, n: int = EMBEDDED_ROWS, seed: int = 0) -> list[dict[str, str]]:
@@ -71,11 +74,11 @@ def read_rows(path: str | Path, limit: int | None = None) -> list[dict[str, Any]
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path.name}: line {i + 1} is not JSON ({e.msg})") from None
+                    raise DataError(f"{path} line {i + 1}: not valid JSON ({e.msg}, column {e.colno})") from None
             if limit is not None and len(rows) >= limit:
                 break
     if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path.name}: expected one JSON object per row")
+        raise DataError(f"{path}: expected one JSON object per row")
     return rows[:limit] if limit is not None else rows
 
 
@@ -124,26 +127,58 @@ def column_errors(trainer: str, mapping: dict[str, str], available: list[str]) -
 
 
 def load_train_dataset(cfg):
-    """The training ``datasets.Dataset`` of a run config, columns renamed to TRL's roles."""
+    """The training ``datasets.Dataset`` of a run config, columns renamed to TRL's roles (rows checked:
+    a malformed line or an empty target column names its file and row, ``data_checks``)."""
+    data = cfg.data
+    n = EMBEDDED_ROWS if data.max_samples is None else data.max_samples
+    return _load(cfg, data.dataset, data.split, n, cfg.training.seed, limit=data.max_samples)
+
+
+def load_eval_dataset(cfg, train):
+    """(train, eval) for a run config: ``data.eval_dataset`` (held-out embedded rows for 'embedded'),
+    ``data.eval_split`` of the Hub dataset, or ``data.eval_size`` rows held out of ``train``;
+    (train, None) when the config names no eval data."""
+    data = cfg.data
+    if data.eval_dataset is not None:
+        split = data.eval_split or data.split
+        return train, _load(cfg, data.eval_dataset, split, EMBEDDED_EVAL_ROWS, cfg.training.seed + EMBEDDED_EVAL_SEED)
+    if data.eval_split is not None:
+        return train, _load(cfg, data.dataset, data.eval_split, EMBEDDED_EVAL_ROWS,
+                            cfg.training.seed + EMBEDDED_EVAL_SEED)
+    if data.eval_size > 0:
+        size = data.eval_size if data.eval_size < 1 else int(data.eval_size)
+        if isinstance(size, int) and size >= len(train):
+            raise DataError(f"data.eval_size: {size} rows held out would leave none of {len(train)} to train on")
+        parts = train.train_test_split(test_size=size, seed=cfg.training.seed, shuffle=True)
+        if len(parts["test"]) == 0:
+            raise DataError(f"data.eval_size: {data.eval_size} of {len(train)} rows is no row at all")
+        return parts["train"], parts["test"]
+    return train, None
+
+
+def _load(cfg, name: str, split: str, n_embedded: int, seed_embedded: int, limit: int | None = None):
+    """One data source as a Dataset of TRL's role columns: loaded, cut to ``limit`` rows, checked."""
     from datasets import Dataset, load_dataset
 
-    data = cfg.data
-    kind = classify_dataset(data.dataset)
+    kind = classify_dataset(name)
     if kind == EMBEDDED:
-        ds = Dataset.from_list(embedded_rows(cfg.trainer, data.max_samples or EMBEDDED_ROWS, cfg.training.seed))
+        ds = Dataset.from_list(embedded_rows(cfg.trainer, n_embedded, seed_embedded))
     elif kind == "local":
-        suffix = Path(data.dataset).suffix.lower().lstrip(".")
+        suffix = Path(name).suffix.lower().lstrip(".")
         builder = {"jsonl": "json"}.get(suffix, suffix)
-        ds = load_dataset(builder, data_files=str(data.dataset), split="train")
+        try:
+            ds = load_dataset(builder, data_files=str(name), split="train")
+        except Exception as e:  # noqa: BLE001 - DatasetGenerationError and friends: say which line
+            raise locate_load_error(name, e) from e
     else:
-        ds = load_dataset(data.dataset, data.config_name, split=data.split)
-    mapping = resolve_columns(cfg.trainer, data.columns, list(ds.column_names))
-    ds = ds.select_columns(list(mapping.values()))
-    renames = {col: role for role, col in mapping.items() if col != role}
-    if renames:
-        ds = ds.rename_columns(renames)
-    if data.max_samples is not None and len(ds) > data.max_samples:
-        ds = ds.select(range(data.max_samples))
+        ds = load_dataset(name, cfg.data.config_name, split=split)
     if len(ds) == 0:
-        raise ValueError(f"data.dataset: {data.dataset!r} has no rows")
-    return ds
+        raise DataError(f"{name}: no rows" + (f" in split {split!r}" if kind == "hub" else ""))
+    if limit is not None and len(ds) > limit:
+        ds = ds.select(range(limit))
+    mapping = resolve_columns(cfg.trainer, cfg.data.columns, list(ds.column_names))
+    ds = ds.select_columns(list(mapping.values()))
+    source = name if kind != "hub" else f"{name} ({split})"
+    check_rows(ds, cfg.trainer, mapping, Rows(source, local=kind == "local"))
+    renames = {col: role for role, col in mapping.items() if col != role}
+    return ds.rename_columns(renames) if renames else ds

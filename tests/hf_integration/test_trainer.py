@@ -84,3 +84,23 @@ def test_prediction_step_returns_logits_even_in_training_mode(tmp_path):
     assert head_forward(trainer.model).return_logits is False  # restored
     loss_only, no_logits, _ = trainer.prediction_step(trainer.model, batch, prediction_loss_only=True)
     assert no_logits is None and torch.allclose(loss_only, loss, rtol=1e-6)
+
+
+def test_loader_then_trainer_log_the_patch_report_once(tmp_path, caplog):
+    import logging
+
+    from fasttune import load_model
+    from fasttune.embedded import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    build_model(tok).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    caplog.set_level(logging.INFO, logger="fasttune")
+    from fasttune import LoraSpec
+
+    model, tok = load_model(str(tmp_path / "base"), lora=LoraSpec(r=4, alpha=8))
+    rows = [{"input_ids": [1, 5, 6, 7], "attention_mask": [1] * 4, "labels": [1, 5, 6, 7]}] * 4
+    FastTrainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=rows,
+                data_collator=PadCollator(tok.pad_token_id)).train()
+    reports = [r for r in caplog.records if r.getMessage().startswith("fasttune patch report")]
+    assert len(reports) == 1, [r.getMessage() for r in reports]

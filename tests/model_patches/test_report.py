@@ -27,3 +27,27 @@ def test_undo_runs_last_first_once():
     r.undo()
     r.undo()
     assert order == [2, 1]
+
+
+def _reports_logged(caplog) -> int:
+    return sum(r.getMessage().startswith("fasttune patch report") for r in caplog.records)
+
+
+def test_patch_model_logs_its_report_once_per_model_and_outcome(caplog, monkeypatch):
+    import logging
+
+    from fasttune import FastConfig, patch_model
+    from helpers.tiny_models import tiny_model
+
+    caplog.set_level(logging.INFO, logger="fasttune")
+    model, other = tiny_model("llama"), tiny_model("llama")
+    patch_model(model)
+    patch_model(model, FastConfig())  # the Trainer re-patching what the loader patched: same outcome
+    assert _reports_logged(caplog) == 1
+    patch_model(model, FastConfig(rms_norm=False))  # a different outcome is news
+    patch_model(other)  # another instance has its own report
+    assert _reports_logged(caplog) == 3
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # rank 0 speaks for a launched job
+    patch_model(tiny_model("llama"))
+    assert _reports_logged(caplog) == 0

@@ -73,3 +73,27 @@ def test_validate_raises_every_problem_with_the_source(tmp_path, monkeypatch):
         validate(cfg, "run.yaml")
     assert len(info.value.errors) == 2 and "in run.yaml" in str(info.value)
     validate(RunConfig())  # the embedded defaults: nothing to report
+
+
+def test_check_sources_refuses_a_bad_hub_repo_id_and_checks_eval_data(tmp_path):
+    cfg = RunConfig.from_dict({"fast": {"hub_model_id": "me/bad repo!"}})
+    [error] = check_sources(cfg)
+    assert error.startswith("fast.hub_model_id: Repo id must use alphanumeric chars") and "'me/bad repo!'" in error
+    assert check_sources(RunConfig.from_dict({"fast": {"hub_model_id": "me/good-repo"}})) == []
+    cfg = RunConfig.from_dict({"data": {"eval_dataset": str(tmp_path / "missing.jsonl")}})
+    assert check_sources(cfg) == [f"data.eval_dataset: local file '{tmp_path / 'missing.jsonl'}' does not exist"]
+    cfg = RunConfig.from_dict({"training": {"assistant_only_loss": True}})  # embedded: prompt/completion
+    assert check_sources(cfg)[0].startswith("training.assistant_only_loss: needs chat data (a messages column); "
+                                            "the dataset has prompt, completion")
+
+
+def test_a_tracker_needs_its_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "tensorboard", "tensorboardX") else real(name, *a))
+    cfg = RunConfig.from_dict({"training": {"report_to": ["tensorboard", "wandb"]}})
+    assert check_sources(cfg) == ["training.report_to: 'tensorboard' needs the tensorboard package "
+                                  "(pip install 'fasttune[tensorboard]')",
+                                  "training.report_to: 'wandb' needs the wandb package (pip install 'fasttune[wandb]')"]

@@ -116,3 +116,34 @@ def test_allowed_values_exist_in_the_installed_transformers():
 def test_target_modules_bare_name_becomes_a_list(value, expected):
     # PEFT full-matches a string against whole module paths, so "q_proj" alone would match nothing.
     assert RunConfig.from_dict({"lora": {"target_modules": value}}).lora.target_modules == expected
+
+
+def test_eval_packing_assistant_loss_and_trackers_are_validated():
+    from fasttune.run.config import eval_strategy
+
+    cfg = RunConfig.from_dict({"data": {"eval_size": 0.1}, "training": {"report_to": ["tensorboard", "wandb"],
+                                                                        "packing": True, "eval_steps": 5}})
+    assert eval_strategy(cfg) == "steps" and cfg.training.report_to == ["tensorboard", "wandb"]
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg and eval_strategy(RunConfig()) == "no"
+    assert RunConfig().training.report_to == "none"
+    bad = {
+        "training.report_to: expected none, or one or a list of tensorboard, wandb; got 'mlflow'":
+            {"training": {"report_to": "mlflow"}},
+        "training.report_to: expected none, or one or a list of tensorboard, wandb; got ['none', 'wandb']":
+            {"training": {"report_to": ["none", "wandb"]}},
+        "training.packing: SFT only (trainer is dpo)": {"trainer": "dpo", "training": {"packing": True}},
+        "training.eval_strategy: 'steps' needs eval data (data.eval_dataset, data.eval_split or data.eval_size)":
+            {"training": {"eval_strategy": "steps"}},
+        "data.eval_size: a share must be < 1 and a row count whole, got 2.5": {"data": {"eval_size": 2.5}},
+        "data.eval_size: give eval_dataset or eval_size, not both": {"data": {"eval_dataset": "embedded",
+                                                                                "eval_size": 3}},
+        "training.assistant_only_loss: needs chat data (data.columns.messages); prompt/completion data already "
+        "trains on the completion only": {"training": {"assistant_only_loss": True},
+                                          "data": {"columns": {"prompt": "p", "completion": "c"}}},
+        "training.packing_strategy: 'best' is not one of bfd, bfd_split, wrapped":
+            {"training": {"packing_strategy": "best"}},
+    }
+    for message, data in bad.items():
+        with pytest.raises(RunConfigError) as info:
+            RunConfig.from_dict(data)
+        assert info.value.errors == [message]

@@ -30,7 +30,7 @@ def test_read_rows_reads_every_supported_file_kind(tmp_path):
         assert run_data.read_rows(tmp_path / name) == rows, name
         assert run_data.read_rows(tmp_path / name, limit=3) == rows[:3], name
     (tmp_path / "bad.jsonl").write_text('{"q": 1}\nnot json\n')
-    with pytest.raises(ValueError, match="line 2 is not JSON"):
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
         run_data.read_rows(tmp_path / "bad.jsonl")
 
 
@@ -84,4 +84,47 @@ def test_load_train_dataset_rejects_a_missing_column(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"q": "x", "a": "y"}])
     cfg = RunConfig.from_dict({"data": {"dataset": str(path), "columns": {"prompt": "q", "completion": "answer"}}})
     with pytest.raises(ValueError, match="column 'answer' is not in the dataset; columns: q, a"):
+        run_data.load_train_dataset(cfg)
+
+
+def test_eval_data_from_a_file_a_held_out_share_or_the_embedded_task(tmp_path):
+    rows = [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(20)]
+    train_file, eval_file = _write_jsonl(tmp_path / "t.jsonl", rows), _write_jsonl(tmp_path / "e.jsonl", rows[:3])
+    cfg = RunConfig.from_dict({"data": {"dataset": str(train_file)}})
+    train = run_data.load_train_dataset(cfg)
+    assert run_data.load_eval_dataset(cfg, train) == (train, None)
+    cfg = RunConfig.from_dict({"data": {"dataset": str(train_file), "eval_dataset": str(eval_file)}})
+    same, held = run_data.load_eval_dataset(cfg, train)
+    assert same is train and held[:] == {"prompt": ["p0", "p1", "p2"], "completion": [" c0", " c1", " c2"]}
+    for size, n_eval in ((0.25, 5), (4, 4)):
+        cfg = RunConfig.from_dict({"data": {"dataset": str(train_file), "eval_size": size}})
+        kept, held = run_data.load_eval_dataset(cfg, train)
+        assert (len(kept), len(held)) == (20 - n_eval, n_eval)
+        assert not set(kept["prompt"]) & set(held["prompt"])  # held out: never trained on
+    cfg = RunConfig.from_dict({"data": {"dataset": str(train_file), "eval_size": 20}})
+    with pytest.raises(run_data.DataError, match="would leave none of 20 to train on"):
+        run_data.load_eval_dataset(cfg, train)
+    cfg = RunConfig.from_dict({"data": {"eval_dataset": "embedded", "max_samples": 50}})
+    train = run_data.load_train_dataset(cfg)
+    _, held = run_data.load_eval_dataset(cfg, train)
+    assert len(held) == run_data.EMBEDDED_EVAL_ROWS and held.column_names == ["prompt", "completion"]
+    assert len(set(held["prompt"]) & set(train["prompt"])) < len(held) / 10  # another seed: other words, nearly all
+
+
+def test_a_malformed_line_after_the_preview_names_file_and_line(tmp_path):
+    lines = [json.dumps({"prompt": f"p{i}", "completion": f" c{i}"}) for i in range(60)]
+    lines[56] = '{"prompt": "p56", "completion": " c56"'  # line 57: the closing brace is missing
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert len(run_data.preview_rows(str(path), "sft", 20)) == 20  # the preview (and check_sources) sees no problem
+    cfg = RunConfig.from_dict({"data": {"dataset": str(path)}})
+    with pytest.raises(run_data.DataError, match=rf"^{path} line 57: not valid JSON \(Expecting ',' delimiter"):
+        run_data.load_train_dataset(cfg)
+
+
+def test_an_empty_completion_column_stops_the_run(tmp_path):
+    rows = [{"prompt": f"p{i}", "completion": "" if i % 2 else "  "} for i in range(30)]
+    cfg = RunConfig.from_dict({"data": {"dataset": str(_write_jsonl(tmp_path / "d.jsonl", rows))}})
+    with pytest.raises(run_data.DataError, match="every 'completion' value is empty \\(30 rows\\): the model "
+                                                 "would learn nothing"):
         run_data.load_train_dataset(cfg)

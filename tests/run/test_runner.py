@@ -107,3 +107,101 @@ def test_export_from_a_run_folder_matches_the_adapter(stopped_dpo_run):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert any(p.abs().max() > 0 for p in lora_b)  # the adapter did train: the check is not vacuous
+
+
+def test_training_args_carry_eval_packing_assistant_loss_trackers_and_a_progress_bar(tmp_path):
+    cfg = RunConfig.from_dict({"data": {"eval_size": 0.1}, "training": {
+        "eval_steps": 7, "packing": True, "packing_strategy": "wrapped", "report_to": "tensorboard",
+        "per_device_train_batch_size": 3}})
+    args = runner.training_args(cfg, tmp_path)
+    assert args.eval_strategy == "steps" and args.eval_steps == 7 and args.per_device_eval_batch_size == 3
+    assert args.packing and args.packing_strategy == "wrapped" and args.report_to == ["tensorboard"]
+    assert not args.disable_tqdm  # a progress bar with an ETA
+    cfg = RunConfig.from_dict({"trainer": "dpo", "training": {"eval_steps": 5}})
+    args = runner.training_args(cfg, tmp_path)
+    assert args.eval_strategy == "no" and args.report_to == [] and not hasattr(args, "assistant_only_loss")
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_checkpoint_fails_in_one_line_and_resume_skips_the_cut_checkpoint(tmp_path, monkeypatch):
+    """The issue's trial: the disk fills while the Trainer writes checkpoint-4's optimizer.pt. The
+    run must end "failed" with a one-line error naming the checkpoint and the space needed (not
+    "running" with no error), and --resume must continue from checkpoint-2, never the cut one."""
+    from helpers.full_disk import FullDisk
+
+    from fasttune.run.checkpoints import incomplete_reason
+    from fasttune.run.os_errors import RunIOError
+    from fasttune.run.rerun import RunFolderError
+
+    cfg = RunConfig.from_dict({"data": {"max_samples": 32}, "lora": {"r": 4, "alpha": 8}, "training": {
+        "max_steps": 4, "per_device_train_batch_size": 4, "learning_rate": 5e-3, "logging_steps": 1,
+        "max_length": 32, "seed": 1, "save_strategy": "steps", "save_steps": 2, "bf16": False}})
+    run = tmp_path / "run"
+    real_save = torch.save
+
+    def save_until_the_disk_fills(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        if str(f).endswith(os.path.join("checkpoint-4", "optimizer.pt")):
+            os.truncate(f, os.path.getsize(f) // 2)  # what torch's zip writer leaves on a full disk
+            FullDisk(run, free=0).install(monkeypatch)  # and the disk stays full
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", save_until_the_disk_fills)
+    with pytest.raises(RunIOError) as info:
+        runner.train(cfg, run)
+    line = str(info.value)
+    assert line.startswith(f"disk full writing {run / 'checkpoint-4'}: ") and "\n" not in line
+    assert "a checkpoint needs about" in line and "`fasttune train --resume`" in line
+    state = read_state(run)
+    assert state["status"] == "failed" and state["error"] == line and state["phase"] == "training"
+    assert not (run / ".state.reserve").exists()  # spent on the failure write
+    assert incomplete_reason(run / "checkpoint-4") and incomplete_reason(run / "checkpoint-2") is None
+    assert "Traceback" in (run / "train.log").read_text()  # the traceback is kept, off the console
+    losses_before = dict(map(tuple, state["loss"]))
+    monkeypatch.undo()  # space freed
+
+    with pytest.raises(RunFolderError, match="--resume continues from checkpoint-2"):
+        runner.train(cfg, run)  # never silently at step 0 over the checkpoints
+    resumed = runner.train(cfg, run, resume=True)
+    assert resumed["status"] == "completed" and resumed["resumed_from"] == "checkpoint-2" and resumed["step"] == 4
+    assert [s for s, _ in resumed["loss"]] == [1, 2, 3, 4]
+    assert dict(map(tuple, resumed["loss"]))[4] == pytest.approx(losses_before[4], rel=1e-6)  # resume is exact
+    assert incomplete_reason(run / "checkpoint-4") is None  # saved again, whole
+
+
+def test_packing_and_assistant_only_loss_reach_trl(tmp_path):
+    from fasttune.run.data import load_train_dataset
+    from fasttune.run.folder import RunFolder
+
+    def trainer_for(cfg, name):
+        folder = RunFolder(tmp_path / name)
+        model, tok = runner.load_model(cfg, folder)
+        ds = load_train_dataset(cfg)
+        return runner.build_trainer(cfg, model, tok, ds, runner.training_args(cfg, folder.path), []), ds, tok
+
+    cfg = RunConfig.from_dict({"data": {"max_samples": 64}, "lora": {"r": 4, "alpha": 8},
+                               "training": {"max_length": 64, "packing": True, "bf16": False}})
+    trainer, ds, _ = trainer_for(cfg, "pack")
+    assert len(trainer.train_dataset) < len(ds) / 2  # 12-22-token rows: several per 64-token sequence
+    assert "seq_lengths" in trainer.train_dataset.column_names or "position_ids" in trainer.train_dataset.column_names
+    # "attention stays within each row": a packed batch through the patched model, as TRL's compute_loss
+    # calls it (use_cache=False), gives each row the logits it has alone
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    lengths = trainer.train_dataset[0]["seq_lengths"]
+    first, second = lengths[0], lengths[1]
+    model = trainer.model.eval()
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        alone = model(input_ids=batch["input_ids"][:, first:first + second], use_cache=False).logits
+    assert torch.allclose(packed[:, first:first + second], alone, atol=1e-5)
+    words = ["abc", "xyz", "hello", "cab"] * 4
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"shift: {w} ="},
+                                                     {"role": "assistant", "content": f" {w[::-1]}"}]}) + "\n"
+                            for w in words))
+    cfg = RunConfig.from_dict({"data": {"dataset": str(chat)}, "lora": {"r": 4, "alpha": 8},
+                               "training": {"max_length": 64, "assistant_only_loss": True, "bf16": False}})
+    trainer, _, tok = trainer_for(cfg, "chat")
+    row = trainer.train_dataset[0]
+    trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    assert tok.decode(trained, skip_special_tokens=True) == " cba"  # the answer alone carries the loss
