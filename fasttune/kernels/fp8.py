@@ -79,34 +79,36 @@ def _quantize_rows_kernel(x_ptr,  # [N, K] rows to quantise, any float dtype, un
                           col_ptr,  # [K] float32 power-of-two column scales folded in first (HAS_COL)
                           q_ptr,  # [N, K] float8_e4m3fn codes out, written as their uint8 bits (unit column stride)
                           s_ptr,  # [N] float32 row scales out
-                          n_cols, stride_x, stride_q,
-                          HAS_COL: tl.constexpr, BLOCK: tl.constexpr):
-    # One row per program: a pass for max|v|, a second pass to scale and cast (the row is re-read,
-    # mostly from L2).
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
+                          n_rows, n_cols, stride_x, stride_q,
+                          HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # BLOCK_M rows per program: a pass for max|v| per row, a second pass to scale and encode (the
+    # rows are re-read, mostly from L2).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    offs = tl.arange(0, BLOCK_N)
+    amax = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
         cols = start + offs
-        mask = cols < n_cols
-        v = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_COL:
-            v = v * tl.load(col_ptr + cols, mask=mask, other=0.0)
+            v = v * tl.load(col_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
         amax = tl.maximum(amax, tl.abs(v))
-    bits = tl.max(amax, axis=0).to(tl.int32, bitcast=True)
+    bits = tl.max(amax, axis=1).to(tl.int32, bitcast=True)
     # The smallest 2^e with amax ≤ 448·2^e (448 = 1.75·2^8), from amax's exponent and mantissa bits.
     e = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -126), 126)
-    tl.store(s_ptr + row, ((e + 127) << 23).to(tl.float32, bitcast=True))
+    tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, n_cols, BLOCK_N):
         cols = start + offs
-        mask = cols < n_cols
-        v = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_COL:
-            v = v * tl.load(col_ptr + cols, mask=mask, other=0.0)
+            v = v * tl.load(col_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
         # |v·2^-e| ≤ 448 by construction: no clamp needed, and a NaN stays NaN.
-        tl.store(q_ptr + row * stride_q + cols, _e4m3_code(v * inv).to(tl.uint8), mask=mask)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], _e4m3_code(v * inv[:, None]).to(tl.uint8),
+                 mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,9 +158,11 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     rows, cols = x.shape
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)  # every element stored
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    block = min(_BLOCK, triton.next_power_of_2(max(cols, 16)))
-    _quantize_rows_kernel[(rows,)](x, col_scale, codes.view(torch.uint8), scale, cols, x.stride(0), codes.stride(0),
-                                   HAS_COL=col_scale is not None, BLOCK=block, num_warps=4)
+    block_n = min(_BLOCK, triton.next_power_of_2(max(cols, 16)))
+    block_m = _BLOCK // block_n  # _BLOCK elements per tile: short rows are taken several at a time
+    _quantize_rows_kernel[(triton.cdiv(rows, block_m),)](
+        x, col_scale, codes.view(torch.uint8), scale, rows, cols, x.stride(0), codes.stride(0),
+        HAS_COL=col_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return codes, scale
 
 
