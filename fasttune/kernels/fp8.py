@@ -210,13 +210,14 @@ class Fp8Weight:
         return (self.fp8.float() * self.scale[:, None]).to(dtype)
 
 
-def product_path(x: torch.Tensor, w: Fp8Weight) -> str | None:
-    """None when the products of x [..., in] with w run on FP8 tensor cores (``torch._scaled_mm``),
-    else why they run the dequantise-and-matmul reference."""
+def product_path(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype | None = None) -> str | None:
+    """None when the products of x [..., in] (in ``dtype``, default x's) with w run on FP8 tensor
+    cores (``torch._scaled_mm``), else why they run the dequantise-and-matmul reference."""
+    dtype = dtype or x.dtype
     if not x.is_cuda:
         return f"no FP8 matrix product on {x.device.type}: dequantise-and-matmul reference"
-    if x.dtype != torch.bfloat16:
-        return f"{str(x.dtype).replace('torch.', '')} activations (row-wise FP8 products return bf16): reference"
+    if dtype != torch.bfloat16:
+        return f"{str(dtype).replace('torch.', '')} activations (row-wise FP8 products return bf16): reference"
     out_f, in_f = w.shape
     if out_f % 16 or in_f % 16:
         return f"widths {out_f}x{in_f} are not multiples of 16: reference"
