@@ -34,6 +34,19 @@ def test_bench_step_smoke_every_fasttune_stack(tmp_path):
     assert "LEAK" not in stdout, stdout
 
 
+@pytest.mark.slow
+def test_bench_step_smoke_fp8_stack(tmp_path):
+    """fasttune-fp8 (FP8 bases) beside fasttune: every projection converted (the worker checks the
+    report), and the step-1 loss of the same function within FP8's error of the exact one."""
+    out = tmp_path / "step.json"
+    _run(["benchmarks/bench_step.py", "--smoke", "--stacks", "fasttune,fasttune-fp8", "--weights", "bf16",
+          "--shapes", "1x32", "--steps", "1", "--warmup", "1", "--out", str(out)], 600)
+    rows = {r["stack"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all("tokens_per_s" in r for r in rows.values()), rows
+    exact, fp8 = rows["fasttune"]["loss_step1"], rows["fasttune-fp8"]["loss_step1"]
+    assert abs(fp8 - exact) <= 1e-2 * exact, (exact, fp8)
+
+
 def test_gpu_suite_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], check=True)
 
