@@ -138,6 +138,12 @@ def _scaled_mm(a, a_scale, b, b_scale):
     return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
 
 
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    """A float32 [n] of ones: the column scales of dX's product (one per width and device, kept)."""
+    return torch.ones(n, dtype=torch.float32, device=device)
+
+
 def _triton_quantises(x: torch.Tensor) -> bool:
     return use_triton(x) and (not x.is_cuda or _gpu_fp8(x.device.index or 0) is None)
 
@@ -240,7 +246,7 @@ def grad_input_product(dy: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     q, s = quantize_rows(dy, col_scale=w.scale)
     if product_path(dy, w) is None:
         codes = w.fp8
-        return _scaled_mm(q, s, codes.t().contiguous().t(), torch.ones(codes.shape[1], device=codes.device))
+        return _scaled_mm(q, s, codes.t().contiguous().t(), _ones(codes.shape[1], codes.device))
     return reference.fp8_scaled_product(q, s, w.fp8, None, dy.dtype)
 
 
