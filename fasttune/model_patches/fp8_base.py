@@ -4,7 +4,8 @@
 bitsandbytes NF4 ``Linear4bit``, dequantised once) into an ``nn.Linear`` holding
 
     weight        uint8 Parameter [out, in]: e4m3 codes (kernels/fp8.py), requires_grad False
-    weight_scale  float32 buffer [out]: the power-of-two row scales (not in the state dict)
+    weight_scale  int32 buffer [out]: the bits of the float32 power-of-two row scales (not in the
+                  state dict; read as float32 through a free ``view``)
 
 and a forward of its own, ``Fp8LinearForward`` (``fp8_linear``: X quantised per row, FP8
 product, FP8 dX), so every path that calls the layer (PEFT's unfused forward, a disabled
@@ -14,7 +15,9 @@ reads (``lora_specs`` hands it over as an FP8 ``BaseWeight``). The 16-bit weight
 uint8 storage on purpose: DDP broadcasts, FSDP2 shards and all-gathers it as plain bytes (FSDP2
 casts floating-point parameters to its mixed-precision dtype; it leaves integer ones alone), and
 PEFT never moves adapters to its dtype (it does for floating base weights). The scales are a
-buffer: FSDP2 leaves buffers whole on every rank, so a gathered shard of rows finds all of them.
+buffer: FSDP2 leaves buffers whole on every rank, so a gathered shard of rows finds all of them;
+integer bits, so ``model.to(torch.float16)`` (or a mixed-precision cast) cannot round them (2^-20
+is 0 in fp16).
 
 One-way, like loading in 4 bits: FP8 codes cannot give the 16-bit weight back, so
 ``unpatch_model`` leaves the layer in FP8 with its forward. The layer records the checkpoint the
@@ -48,14 +51,14 @@ def fp8_op(projection: str) -> str:
 
 def is_fp8_layer(layer: nn.Module) -> bool:
     """True for a layer ``to_fp8`` converted (uint8 codes and their scale buffer)."""
-    weight = getattr(layer, "weight", None)
+    weight, scale = getattr(layer, "weight", None), getattr(layer, SCALE_NAME, None)
     return (isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8
-            and isinstance(getattr(layer, SCALE_NAME, None), torch.Tensor))
+            and isinstance(scale, torch.Tensor) and scale.dtype == torch.int32)
 
 
 def fp8_weight_of(layer: nn.Module) -> Fp8Weight:
     """The layer's codes and scales (as they are now: FSDP may have gathered or resharded them)."""
-    return Fp8Weight(layer.weight, getattr(layer, SCALE_NAME))
+    return Fp8Weight(layer.weight, getattr(layer, SCALE_NAME).view(torch.float32))
 
 
 class Fp8LinearForward(PatchedForward):
@@ -125,7 +128,7 @@ def to_fp8(owner: nn.Module, attr: str, op: str, report: PatchReport, source: st
             fp8 = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
             fp8.bias = bias
         fp8.weight = nn.Parameter(w.codes, requires_grad=False)
-        fp8.register_buffer(SCALE_NAME, w.scale, persistent=False)
+        fp8.register_buffer(SCALE_NAME, w.scale.view(torch.int32), persistent=False)
         fp8.__dict__[FP8_SOURCE_ATTR] = source
         if fp8 is not layer:
             setattr(owner, attr, fp8)

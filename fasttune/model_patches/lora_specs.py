@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..kernels.lora import BaseWeight
-from .fp8_base import SCALE_NAME, is_fp8_layer
+from .fp8_base import fp8_weight_of, is_fp8_layer
 from .lora_widen import wide_of
 from .zero3 import is_zero3_param, zero3_ready
 
@@ -45,7 +45,7 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
         elif type(layer) is nn.Linear:  # patching: judge the layer by DeepSpeed's record of its shape
             return BaseWeight(torch.empty(tuple(weight.ds_shape), dtype=weight.dtype, device="meta"))
     if is_fp8_layer(layer):  # stored in FP8 by fp8_base.py (FastConfig.base_dtype="fp8")
-        return BaseWeight(weight, None, None if bias is None else bias.detach(), fp8_scale=getattr(layer, SCALE_NAME))
+        return BaseWeight(weight, None, None if bias is None else bias.detach(), fp8_scale=fp8_weight_of(layer).scale)
     if type(layer).__name__ == "Linear8bitLt" or hasattr(weight, "SCB"):
         return "8-bit bitsandbytes base layer"
     quant_state = getattr(weight, "quant_state", None)

@@ -35,7 +35,7 @@ def test_dense_linear_is_converted_in_place(device, dtype):
     out = to_fp8(owner, "proj", "fp8_proj", report, "org/model")
     assert out is layer and owner.proj is layer and is_fp8_layer(layer)
     assert layer.weight.dtype == torch.uint8 and not layer.weight.requires_grad
-    assert torch.equal(layer.weight, expected.codes) and torch.equal(getattr(layer, SCALE_NAME), expected.scale)
+    assert torch.equal(layer.weight, expected.codes) and torch.equal(fp8_weight_of(layer).scale, expected.scale)
     assert SCALE_NAME not in layer.state_dict() and layer.__dict__[FP8_SOURCE_ATTR] == "org/model"
     x = torch.randn(3, 5, 64, device=device, dtype=dtype, requires_grad=True)
     y = owner.proj(x)
@@ -43,6 +43,10 @@ def test_dense_linear_is_converted_in_place(device, dtype):
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
     assert sum(n for (op, _), n in report.calls.items() if op == "fp8_proj") == 1
+    # A cast of the model (mixed precision, .half()) leaves codes and scales as they are.
+    owner.to(torch.float16)
+    assert getattr(layer, SCALE_NAME).dtype == torch.int32 and torch.equal(fp8_weight_of(layer).scale, expected.scale)
+    assert torch.equal(layer.weight, expected.codes)
 
 
 def test_nf4_linear4bit_is_replaced_by_an_fp8_linear(device):
