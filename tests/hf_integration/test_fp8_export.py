@@ -109,3 +109,32 @@ def test_no_checkpoint_needs_base(saved, tmp_path):
     want = _peft_merge_onto_original(saved, get_peft_model_state_dict(model))
     for key, tensor in got.items():
         assert torch.allclose(tensor, want[key], rtol=0, atol=1e-6), key
+
+
+def test_fast_trainer_trains_fp8_and_exports_onto_the_original(saved, tmp_path, caplog):
+    """The whole flow: FastTrainer(fast_config=FastConfig(base_dtype="fp8")) on a loaded model
+    converts the bases, trains (the log names the FP8 calls), and its end-of-training merged export
+    equals PEFT's merge of the trained adapters onto the checkpoint's 16-bit weights."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    from fasttune import FastTrainer
+    from fasttune.embedded import PadCollator
+    from helpers.train_data import random_lm_rows
+
+    model, tok = load_model(saved, dtype="float32", lora=LoraSpec(r=4, seed=0))
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    with caplog.at_level(logging.INFO, logger="fasttune"):
+        trainer = FastTrainer(model=model, args=args, train_dataset=random_lm_rows(SIZES["vocab_size"], n=8),
+                              data_collator=PadCollator(0), processing_class=tok,
+                              fast_config=FastConfig(base_dtype="fp8", export_artifacts=("merged",)))
+        assert trainer.patch_report.patched["fp8_down_proj"] == 2
+        trainer.train()
+    assert "stored in FP8" in caplog.text and "fp8_q_proj:" in caplog.text
+    got = _merged(tmp_path / "run" / "merged")
+    want = _peft_merge_onto_original(saved, get_peft_model_state_dict(model))
+    for key, tensor in got.items():  # merged_dtype bfloat16: the fp32 merge cast once
+        assert torch.equal(tensor, want[key].to(torch.bfloat16).float()), key
