@@ -16,7 +16,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from fasttune import FastConfig, LoraSpec, load_model, patch_model
-from fasttune.hf_integration.export import save_merged
+from fasttune.export.merged import save_merged
 from fasttune.model_patches.fp8_base import fp8_weight_of, is_fp8_layer
 from helpers.tiny_models import tiny_model
 from helpers.tiny_tokenizers import bpe_tokenizer
@@ -78,7 +78,7 @@ def test_save_merged_reads_the_original_16bit_weights(saved, tmp_path, nf4):
 
 def test_save_gguf_reads_the_original_16bit_weights(saved, tmp_path):
     gguf = pytest.importorskip("gguf")
-    from fasttune.hf_integration.gguf import save_gguf
+    from fasttune.export.gguf import save_gguf
 
     model, tok = load_model(saved, dtype="float32", load_in_fp8=True, lora=LoraSpec(r=4, seed=0))
     _randomise_b(model)
