@@ -16,6 +16,7 @@ accelerate shards), base layers other than dense linears and NF4 ``Linear4bit``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -29,7 +30,7 @@ from .report import PatchReport
 
 logger = logging.getLogger("fasttune")
 
-__all__ = ["checkpoint_source", "patch_fp8_bases"]
+__all__ = ["checkpoint_source", "fp8_load_config", "patch_fp8_bases"]
 
 GIB = 1 << 30
 
@@ -43,6 +44,19 @@ def checkpoint_source(model: nn.Module) -> str | None:
     if os.path.isdir(source):
         return os.path.abspath(source)
     return source if source.count("/") == 1 and not source.startswith((".", "/", "~")) else None
+
+
+def fp8_load_config(load_in_fp8, fast_config: FastConfig | None, lora) -> FastConfig | None:
+    """``load_model(load_in_fp8=...)``: ``fast_config`` with ``base_dtype="fp8"`` when True (it stays
+    as given when False). ValueError for a non-bool, or for True without an adapter to train."""
+    if not isinstance(load_in_fp8, bool):
+        raise ValueError(f"load_in_fp8 must be True or False, got {load_in_fp8!r}")
+    if not load_in_fp8:
+        return fast_config
+    if lora is None:
+        raise ValueError("load_in_fp8=True stores the frozen base weights of LoRA projections in FP8: it needs "
+                         "lora (a LoraSpec or peft.LoraConfig), not None")
+    return dataclasses.replace(fast_config or FastConfig(), base_dtype="fp8")
 
 
 def _nbytes(layer: nn.Module) -> int:
