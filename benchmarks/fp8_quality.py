@@ -4,8 +4,8 @@ Issue #20's quality check of ``FastConfig(base_dtype="fp8")``, with no download:
 
 1. A base model with structure. A random-init Llama-shaped model (``--preset gpu``: 12 layers,
    2048 wide, 5632 MLP, GQA 16/4 heads: 0.54B parameters) is fully trained (fp32 weights, bf16
-   autocast on a GPU) on two letter tasks built on the embedded task (fasttune/embedded.py):
-   ``shift: cab = dbc`` and ``back: dbc = cab``. Then its weights go to bf16 (fp32 on a CPU).
+   autocast on a GPU) on the embedded task (fasttune/embedded.py), ``shift: cab = dbc``; the log
+   line says how well it learnt it (held-out exact match). Then its weights go to bf16 (fp32 on a CPU).
 2. The fine-tune. LoRA r=16 on all seven projections, one new task (``shift2: cab = ecd``),
    ``--lora-steps`` (200) AdamW steps on the same batches in the same order, from the same
    adapter initialisation, once with the 16-bit bases (``base_dtype="auto"``) and once with FP8
@@ -42,14 +42,14 @@ import time
 import torch
 
 PRESETS = {
-    "gpu": dict(hidden=2048, layers=12, heads=16, kv_heads=4, inter=5632, pre_steps=800, pre_lr=1e-3,
+    "gpu": dict(hidden=2048, layers=12, heads=16, kv_heads=4, inter=5632, pre_steps=800, pre_lr=5e-4,
                 lora_steps=200, lr=1e-3, batch=64, eval_rows=256),
     "cpu": dict(hidden=128, layers=2, heads=4, kv_heads=2, inter=384, pre_steps=600, pre_lr=3e-3,
                 lora_steps=200, lr=3e-3, batch=32, eval_rows=128),
     "smoke": dict(hidden=64, layers=1, heads=2, kv_heads=1, inter=128, pre_steps=4, pre_lr=3e-3,
                   lora_steps=20, lr=3e-3, batch=8, eval_rows=8),
 }
-PRE_TASKS = ("shift", "back")
+PRE_TASKS = ("shift",)  # one task: a 2-layer model learns it in 600 steps (two did not, measured)
 LORA_TASK = "shift2"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOG_EVERY = 10
@@ -64,9 +64,7 @@ def device() -> str:
 def apply(task: str, word: str) -> str:
     from fasttune.embedded import LETTERS
 
-    if task == "rev":
-        return word[::-1]
-    k = {"shift": 1, "back": -1, "shift2": 2}[task]
+    k = {"shift": 1, "shift2": 2}[task]
     return "".join(LETTERS[(LETTERS.index(c) + k) % 26] for c in word)
 
 
