@@ -47,6 +47,17 @@ def test_bench_step_smoke_fp8_stack(tmp_path):
     assert abs(fp8 - exact) <= 1e-2 * exact, (exact, fp8)
 
 
+@pytest.mark.slow
+def test_fp8_quality_smoke(tmp_path):
+    """fp8_quality.py end to end on a tiny model: both runs, the gap and the per-projection table."""
+    out = tmp_path / "q.json"
+    _run(["benchmarks/fp8_quality.py", "--preset", "smoke", "--no-noise-floor", "--out", str(out)], 900)
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"bf16", "fp8"} and len(result["projection_errors"]) == 7
+    assert result["summary"]["max_rel_loss_gap"] <= 1e-2
+    assert all(r["y_fp8"] > r["y_16"] for r in result["projection_errors"])
+
+
 def test_gpu_suite_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], check=True)
 
