@@ -29,9 +29,10 @@ backward (every row at the largest row's range: rows of small weights lose bits)
 Where the products run: ``torch._scaled_mm`` with row-wise scales on CUDA GPUs that have FP8
 tensor cores (probed once per device: compute capability ≥ 8.9 and a working call), for bf16
 activations and widths that are multiples of 16, with X and G quantised by one Triton pass
-each. Elsewhere (a CPU, an older GPU, fp32/fp16 activations) the same codes are dequantised and
-multiplied in fp32 (reference.py ``fp8_scaled_product``): the same numbers up to accumulation
-order. ``product_path`` says which, and why. LoRA rank-r terms, norms, attention and the loss
+each (the forward product with Hopper's fast FP8 accumulation, as torchao's float8 training runs
+it; dX without). Elsewhere (a CPU, an older GPU, fp32/fp16 activations) the same codes are
+dequantised and multiplied in fp32 (reference.py ``fp8_scaled_product``): the same numbers up to
+accumulation order and precision. ``product_path`` says which, and why. LoRA rank-r terms, norms, attention and the loss
 never pass through here. ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)`` has this
 form in torch 2.4 to 2.13 (older versions returned a tuple, handled).
 """
@@ -132,9 +133,13 @@ def _gpu_fp8(index: int) -> str | None:
     return None
 
 
-def _scaled_mm(a, a_scale, b, b_scale):
-    """bf16 diag(a_scale) (A B) diag(b_scale): A [M, K] row-major, B [K, N] column-major codes."""
-    out = torch._scaled_mm(a, b, a_scale.view(-1, 1), b_scale.view(1, -1), out_dtype=torch.bfloat16)
+def _scaled_mm(a, a_scale, b, b_scale, fast_accum: bool = False):
+    """bf16 diag(a_scale) (A B) diag(b_scale): A [M, K] row-major, B [K, N] column-major codes.
+
+    ``fast_accum``: Hopper's faster FP8 accumulation (partial sums kept in the tensor cores'
+    reduced precision longer); used for the forward as torchao's float8 training does, not for dX."""
+    out = torch._scaled_mm(a, b, a_scale.view(-1, 1), b_scale.view(1, -1), out_dtype=torch.bfloat16,
+                           use_fast_accum=fast_accum)
     return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
 
 
@@ -237,7 +242,7 @@ def forward_product(x2: torch.Tensor, w: Fp8Weight, xq: tuple[torch.Tensor, torc
     the projections of one input)."""
     q, s = quantize_rows(x2) if xq is None else xq
     if product_path(x2, w) is None:
-        return _scaled_mm(q, s, w.fp8.t(), w.scale)
+        return _scaled_mm(q, s, w.fp8.t(), w.scale, fast_accum=True)
     return reference.fp8_scaled_product(q, s, w.fp8.t(), w.scale, x2.dtype)
 
 

@@ -196,7 +196,8 @@ def test_scaled_mm_matches_reference_on_gpu(shape):
         assert product_path(x, w) is None, product_path(x, w)
     if product_path(x, w) is not None:
         pytest.skip(product_path(x, w))
-    for got_fn, args, col in ((forward_product, (x, w), None), (grad_input_product, (dy, w), w.scale)):
+    # The forward uses Hopper's fast FP8 accumulation (reduced-precision partial sums): a looser bound.
+    for got_fn, args, col, tol in ((forward_product, (x, w), None, 1e-2), (grad_input_product, (dy, w), w.scale, 4e-3)):
         inp = args[0]
         q, s = quantize_rows(inp, col)
         rq, rs = reference.quantize_rows_fp8(inp, col)
@@ -205,4 +206,4 @@ def test_scaled_mm_matches_reference_on_gpu(shape):
         b = w.fp8.t() if col is None else w.fp8
         want = reference.fp8_scaled_product(rq, rs, b, w.scale if col is None else None, torch.float64)
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err < 4e-3, (got_fn.__name__, err)  # bf16 rounding of the output, accumulation order
+        assert err < tol, (got_fn.__name__, err)  # bf16 rounding of the output, accumulation order and precision
