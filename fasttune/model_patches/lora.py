@@ -407,5 +407,4 @@ def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCon
 
 
 __all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "fused_lora_projections", "fused_projection_names",
-           "is_lora_layer",
-           "patch_lora", "projection_specs", "stock_compute_dtype"]
+           "is_lora_layer", "patch_lora", "projection_specs", "stock_compute_dtype"]
