@@ -11,7 +11,8 @@ LoRA parameters and frozen dense or bitsandbytes-NF4 base weights:
     fused_mlp    ``lora_mlp(x, gate, up, down, activation)``; Phi-3's ``gate_up_proj``:
                  ``lora_linear`` → SwiGLU/GeGLU kernel → ``lora_linear(down)``
 
-Reported per module as "lora_qkv", "lora_o", "lora_mlp". A module whose projections the fused
+Reported per module as "lora_qkv", "lora_o", "lora_mlp"; a fused call over FP8 bases
+(``base_dtype="fp8"``, ``lora_fp8.py``) also counts one "fp8_<projection>" call per such projection. A module whose projections the fused
 path would not compute exactly (``lora_spec`` says why: dropout, DoRA, several active adapters,
 a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no adapter on any of its projections; or
 forward hooks on a projection, which the fused path would skip: accelerate offloading, PEFT's
