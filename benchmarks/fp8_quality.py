@@ -219,8 +219,8 @@ def projection_errors(base, batch) -> list[dict]:
     for name, module in base.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in inputs:
-            hooks.append(module.register_forward_pre_hook(
-                lambda m, args, leaf=leaf: inputs[leaf].append((args[0].detach().reshape(-1, args[0].shape[-1]), m.weight))))
+            hooks.append(module.register_forward_pre_hook(lambda m, args, leaf=leaf: inputs[leaf].append(
+                (args[0].detach().reshape(-1, args[0].shape[-1]), m.weight))))
     base.eval()
     with torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda"):
         base(**{k: v for k, v in batch.items() if k != "labels"})
@@ -301,7 +301,9 @@ def main(argv=None) -> dict:
         return [abs(lb - la) / la for (_, la), (_, lb) in zip(runs[a]["losses"], runs[b]["losses"])]
 
     label16 = "bf16" if device() == "cuda" else "fp32"
-    head = f"| step | {label16} | fp8 | rel gap |" + (f" {label16}, adapter seed 8 | its gap |" if "bf16_seed8" in runs else "")
+    head = f"| step | {label16} | fp8 | rel gap |"
+    if "bf16_seed8" in runs:
+        head += f" {label16}, adapter seed 8 | its gap |"
     print("\n" + head + "\n|" + "---|" * (head.count("|") - 1))
     fp8_gaps, noise = gaps("bf16", "fp8"), gaps("bf16", "bf16_seed8") if "bf16_seed8" in runs else None
     for i, ((step, l16), (_, l8)) in enumerate(zip(runs["bf16"]["losses"], runs["fp8"]["losses"])):

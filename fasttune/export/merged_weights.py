@@ -286,7 +286,8 @@ class _Walker:
         if _is_modules_to_save(module):
             self._modules_to_save(module, prefix)
             return
-        quantized = type(getattr(module, "weight", None)).__name__ in ("Params4bit", "Int8Params") or is_fp8_layer(module)
+        quantized = (type(getattr(module, "weight", None)).__name__ in ("Params4bit", "Int8Params")
+                     or is_fp8_layer(module))
         for pname, param in module._parameters.items():
             if param is None:
                 continue

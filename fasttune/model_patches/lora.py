@@ -12,15 +12,16 @@ LoRA parameters and frozen dense or bitsandbytes-NF4 base weights:
                  ``lora_linear`` → SwiGLU/GeGLU kernel → ``lora_linear(down)``
 
 Reported per module as "lora_qkv", "lora_o", "lora_mlp"; a fused call over FP8 bases
-(``base_dtype="fp8"``, ``lora_fp8.py``) also counts one "fp8_<projection>" call per such projection. A module whose projections the fused
-path would not compute exactly (``lora_spec`` says why: dropout, DoRA, several active adapters,
-a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no adapter on any of its projections; or
-forward hooks on a projection, which the fused path would skip: accelerate offloading, PEFT's
-mixed-adapter batches) keeps PEFT's path and is listed in ``report.fallbacks``. DeepSpeed
-ZeRO-3's own hooks are the exception: a call is fused when the projections' partitioned
-parameters are gathered for the attention / MLP module itself (registered as its external
-parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it takes PEFT's
-path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and reports nothing.
+(``base_dtype="fp8"``, ``lora_fp8.py``) also counts one "fp8_<projection>" call per such
+projection. A module whose projections the fused path would not compute exactly (``lora_spec`` says
+why: dropout, DoRA, several active adapters, a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no
+adapter on any of its projections; or forward hooks on a projection, which the fused path would
+skip: accelerate offloading, PEFT's mixed-adapter batches) keeps PEFT's path and is listed in
+``report.fallbacks``. DeepSpeed ZeRO-3's own hooks are the exception: a call is fused when the
+projections' partitioned parameters are gathered for the attention / MLP module itself (registered
+as its external parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it
+takes PEFT's path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and reports
+nothing.
 
 Eligibility is decided at patch time for the report and checked again at every call, because
 the adapter state changes under a patched model (``set_adapter``, ``merge_adapter``,

@@ -171,7 +171,8 @@ def test_load_in_fp8_stores_the_lora_bases_in_fp8(saved, nf4):
     report = patch_report(model)
     assert {report.patched["fp8_" + p] for p in LORA_TARGETS} == {2}, str(report)
     assert report.patched["rope"] == 0  # the rest of the given fast_config is kept
-    bases = [m.get_base_layer() for n, m in model.named_modules() if n.endswith(LORA_TARGETS) and hasattr(m, "base_layer")]
+    bases = [m.get_base_layer() for n, m in model.named_modules()
+             if n.endswith(LORA_TARGETS) and hasattr(m, "base_layer")]
     assert len(bases) == 14 and all(is_fp8_layer(b) and b.__dict__[FP8_SOURCE_ATTR] == str(saved) for b in bases)
     model.train()
     batch = _bos_batch(tok, next(model.parameters()).device)
