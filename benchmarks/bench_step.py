@@ -18,6 +18,10 @@ Stacks (each in its own process: Liger and Unsloth patch transformers' modules g
   fasttune-auto       checkpointing="auto" inside ``--auto-budget-gib`` (80) of GPU memory for the
             whole process (``torch.cuda.set_per_process_memory_fraction``): keeps as many layers'
             activations as fit instead of recomputing them
+  fasttune-fp8        fasttune with ``FastConfig(base_dtype="fp8")`` ("offload" checkpointing): the seven
+            projections' frozen bases in FP8 (from the bf16 weights, or from the NF4 ones with
+            ``--weights nf4``: dequantised once, then FP8), base products through torch._scaled_mm
+  fasttune-fp8-auto   the same with checkpointing="auto" inside ``--auto-budget-gib``
   unsloth   ``FastLanguageModel.from_pretrained(dir, load_in_4bit=...)`` + ``get_peft_model(...,
             use_gradient_checkpointing="unsloth")``; needs a checkpoint, so the hf worker first
             saves the random bf16 model (with a tiny tokenizer) to ``--ckpt-dir`` (16 GB, reused
@@ -45,6 +49,9 @@ Usage (H200, repo root; peers from the carried wheels, see ../shared/tools/fetch
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     python3 benchmarks/bench_step.py --out $OUT/bench_step.json            # all stacks, < 8 minutes
     python3 benchmarks/bench_step.py --stacks fasttune --profile --out $OUT/profile.json
+    python3 benchmarks/bench_step.py --stacks hf,fasttune,fasttune-fp8,fasttune-fp8-auto,unsloth \
+        --out $OUT/fp8.json                                  # FP8 bases beside bf16 and Unsloth
+    python3 benchmarks/bench_step.py --stacks fasttune-fp8 --weights bf16 --shapes 4x2048 --profile fasttune-fp8
     python3 benchmarks/bench_step.py --smoke   # tiny model, CPU (interpreter) or GPU: checks the script
 """
 
@@ -83,7 +90,8 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 SMOKE = dict(LLAMA_8B, vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-STACKS = ("hf", "liger", "fasttune", "fasttune-recompute", "fasttune-auto", "unsloth")
+STACKS = ("hf", "liger", "fasttune", "fasttune-recompute", "fasttune-auto", "fasttune-fp8", "fasttune-fp8-auto",
+          "unsloth")
 WEIGHTS = ("bf16", "nf4")
 
 
@@ -184,14 +192,19 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
     if stack.startswith("fasttune"):
         from fasttune import FastConfig, patch_model
 
-        mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto"}.get(stack, args.checkpointing)
+        mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto",
+                "fasttune-fp8-auto": "auto"}.get(stack, args.checkpointing)
+        fp8 = stack.startswith("fasttune-fp8")
         report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen,
-                                               residual_norms=not args.no_residual_norms))
+                                               residual_norms=not args.no_residual_norms,
+                                               base_dtype="fp8" if fp8 else "auto"))
         log("    " + str(report).replace("\n", "\n    "))
         n = shape["num_hidden_layers"]
-        missing = [op for op in ("lora_qkv", "lora_o", "lora_mlp") if report.patched[op] != n]
+        ops = ("lora_qkv", "lora_o", "lora_mlp") + (tuple("fp8_" + p for p in LORA_TARGETS) if fp8 else ())
+        missing = [op for op in ops if report.patched[op] != n]
         if missing:
-            raise RuntimeError(f"fused LoRA not installed everywhere ({missing}): {report}")
+            raise RuntimeError(f"fused LoRA{' / FP8 bases' if fp8 else ''} not installed everywhere ({missing}): "
+                               f"{report}")
     model.train()
     return model
 
@@ -358,7 +371,8 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
         if t <= 0:
             continue
         n = e.key.lower()
-        kind = ("gemm" if any(w in n for w in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")) else
+        kind = ("fp8 quantise" if "quantize_rows" in n else
+                "gemm" if any(w in n for w in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")) else
                 "attention" if any(w in n for w in ("flash", "fmha", "attention", "sdpa")) else
                 "triton" if e.key.startswith("_") or "triton" in n else "other")
         groups[kind] = groups.get(kind, 0.0) + t
@@ -391,10 +405,10 @@ def gemm_table(prof, rows: int = 30) -> str:
     out = []
     for e in prof.key_averages(group_by_input_shape=True):
         t = e.device_time_total if torch.cuda.is_available() else e.cpu_time_total
-        if e.key not in ("aten::mm", "aten::addmm", "aten::addmm_") or t <= 0:
+        if e.key not in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::_scaled_mm") or t <= 0:
             continue
         shapes = [s for s in e.input_shapes if s]
-        a, b = (shapes[1], shapes[2]) if e.key != "aten::mm" else (shapes[0], shapes[1])
+        a, b = (shapes[1], shapes[2]) if e.key.startswith("aten::addmm") else (shapes[0], shapes[1])
         if len(a) != 2 or len(b) != 2:
             continue
         flops = 2.0 * a[0] * a[1] * b[1] * e.count
@@ -402,7 +416,7 @@ def gemm_table(prof, rows: int = 30) -> str:
         out.append((ms, f"| {e.key} | {a[0]}x{a[1]} @ {b[0]}x{b[1]} | {e.count} | {ms:.1f} | {flops / ms / 1e9:.0f} |"))
     out.sort(key=lambda t: -t[0])
     total = sum(ms for ms, _ in out)
-    return (f"GEMMs by shape ({total:.1f} ms in aten::mm/addmm)\n| op | shapes | calls | ms | TFLOP/s |\n"
+    return (f"GEMMs by shape ({total:.1f} ms in aten::mm/addmm/_scaled_mm)\n| op | shapes | calls | ms | TFLOP/s |\n"
             "|---|---|---|---|---|\n" + "\n".join(line for _, line in out[:rows]))
 
 
@@ -411,7 +425,7 @@ def gemm_table(prof, rows: int = 30) -> str:
 def worker(stack: str, args) -> None:
     shape = SMOKE if args.smoke else LLAMA_8B
     deadline = args.deadline_at
-    if stack == "fasttune-auto" and torch.cuda.is_available():
+    if stack.endswith("-auto") and torch.cuda.is_available():
         total = torch.cuda.mem_get_info()[1]
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.auto_budget_gib * GIB / total))
 

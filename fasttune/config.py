@@ -23,6 +23,7 @@ ARTIFACTS = ("adapter", "merged", "gguf")
 GGUF_QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
                       "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
 MERGED_DTYPES = ("bfloat16", "float16", "float32")
+BASE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -56,6 +57,16 @@ class FastConfig:
                 "bf16 LoRA: one rounding per projection; closer to fp32 than stock bf16 (stock PEFT rounds the "
                 "base product, then the sum, so early LoRA updates below half a bf16 ulp vanish; False gives "
                 "stock's numbers). Never for FSDP shards, ZeRO-3 partitions or NF4."})
+    base_dtype: str = field(default="auto", metadata={
+        "help": "Frozen base weights of the fused LoRA projections (q/k/v, o, gate/up, down): 'auto' keeps them "
+                "as loaded (exact). 'fp8' (an approximation, opt-in): stores them as float8_e4m3fn with a "
+                "power-of-two scale per output row, computed from the 16-bit (or dequantised NF4) weights at "
+                "patch time, the 16-bit copy freed (1 byte per weight), and multiplies X·Wᵀ and dY·W in FP8 "
+                "with per-row scaled activations and gradients (torch._scaled_mm on GPUs with FP8, sm89+; a "
+                "dequantise-and-matmul reference elsewhere). LoRA terms, norms, attention and the loss keep "
+                "their precision; those projections are never widened (lora_widen). Named fp8_* in the "
+                "PatchReport and the model card; merged/GGUF exports read the original 16-bit weights from "
+                "the checkpoint the model was loaded from."})
     fused_logprobs: bool = field(default=True, metadata={
         "help": "Serve TRL's fused LM head (fused_lm_head=True: SFT metrics, DPO, GRPO, KTO, RLOO "
                 "log-probabilities) with fasttune's kernel."})
@@ -110,6 +121,8 @@ class FastConfig:
             raise ValueError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
         if self.memory_budget_gb is not None and self.checkpointing != "auto":
             raise ValueError("memory_budget_gb only applies to checkpointing='auto'")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
         if self.loss_workspace_mib < 1:
             raise ValueError(f"loss_workspace_mib must be >= 1, got {self.loss_workspace_mib}")
         self.export_artifacts = _choices("export_artifacts", self.export_artifacts, ARTIFACTS)

@@ -34,6 +34,30 @@ def test_bench_step_smoke_every_fasttune_stack(tmp_path):
     assert "LEAK" not in stdout, stdout
 
 
+@pytest.mark.slow
+def test_bench_step_smoke_fp8_stack(tmp_path):
+    """fasttune-fp8 (FP8 bases) beside fasttune: every projection converted (the worker checks the
+    report), and the step-1 loss of the same function within FP8's error of the exact one."""
+    out = tmp_path / "step.json"
+    _run(["benchmarks/bench_step.py", "--smoke", "--stacks", "fasttune,fasttune-fp8", "--weights", "bf16",
+          "--shapes", "1x32", "--steps", "1", "--warmup", "1", "--out", str(out)], 600)
+    rows = {r["stack"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all("tokens_per_s" in r for r in rows.values()), rows
+    exact, fp8 = rows["fasttune"]["loss_step1"], rows["fasttune-fp8"]["loss_step1"]
+    assert abs(fp8 - exact) <= 1e-2 * exact, (exact, fp8)
+
+
+@pytest.mark.slow
+def test_fp8_quality_smoke(tmp_path):
+    """fp8_quality.py end to end on a tiny model: both runs, the gap and the per-projection table."""
+    out = tmp_path / "q.json"
+    _run(["benchmarks/fp8_quality.py", "--preset", "smoke", "--no-noise-floor", "--out", str(out)], 900)
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"bf16", "fp8"} and len(result["projection_errors"]) == 7
+    assert result["summary"]["max_rel_loss_gap"] <= 1e-2
+    assert all(r["y_fp8"] > r["y_16"] for r in result["projection_errors"])
+
+
 def test_gpu_suite_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], check=True)
 

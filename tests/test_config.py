@@ -34,11 +34,18 @@ def test_round_trip_with_values():
     (dict(hub_model_id="a/b/c"), "hub_model_id"),
     (dict(loss_workspace_mib=0), "loss_workspace_mib"),
     (dict(merged_dtype="int8"), "merged_dtype"),
+    (dict(base_dtype="float8"), "base_dtype"),
     (dict(checkpointing="auto", memory_budget_gb=float("inf")), "memory_budget_gb"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         FastConfig(**kwargs)
+
+
+def test_base_dtype_defaults_to_the_exact_path_and_round_trips():
+    assert FastConfig().base_dtype == "auto"
+    cfg = FastConfig(base_dtype="fp8")
+    assert FastConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_unknown_key_lists_known_fields():
@@ -77,6 +84,7 @@ def test_bool_fields_reject_non_bools(name, value):
     (dict(checkpointing=True), "checkpointing"),
     (dict(hub_model_id=123), "hub_model_id"),
     (dict(merged_dtype=None), "merged_dtype"),
+    (dict(base_dtype=8), "base_dtype"),
     (dict(export_artifacts=5), "export_artifacts"),
     (dict(gguf_quantizations=["q8_0", 4]), "gguf_quantizations"),
 ])

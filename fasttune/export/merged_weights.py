@@ -13,7 +13,10 @@ holds a ``load()`` that computes its tensor on demand, so a writer can stream a 
 while at most one merged tensor (plus one shard) is alive.
 
 Two sources share these rules: ``ModelWeights`` (the live model's own base weights) and
-``MergeRules`` applied to another checkpoint's tensors (``save_merged(base=...)``).
+``MergeRules`` applied to another checkpoint's tensors (``save_merged(base=...)``). A base layer
+stored in FP8 (``FastConfig(base_dtype="fp8")``, ``model_patches/fp8_base.py``) holds only an
+approximation of its weight: its entry reads the original 16-bit tensor from the checkpoint the
+model was loaded from (``OriginalWeights``, one tensor per ``load()``), never the FP8 codes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from ..model_patches.fp8_base import FP8_SOURCE_ATTR, is_fp8_layer
 
 
 @dataclass
@@ -68,8 +73,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """The module's weight as a float tensor, dequantising bitsandbytes NF4/FP4 and int8 weights.
 
-    Reads only; the module is not changed (PEFT's own helper moves int8 weights in place).
+    Reads only; the module is not changed (PEFT's own helper moves int8 weights in place). An FP8
+    layer is refused: its codes are an approximation; ``OriginalWeights`` reads its 16-bit original.
     """
+    if is_fp8_layer(module):
+        raise ValueError("this base weight is stored in FP8 (an approximation); read its 16-bit original from the "
+                         "checkpoint the model was loaded from (merged_weights.OriginalWeights)")
     weight = module.weight
     kind = type(weight).__name__
     if kind == "Params4bit":
@@ -205,6 +214,42 @@ def _lora_bias_merger(module: nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     return merge
 
 
+class OriginalWeights:
+    """The tensors of the checkpoint a model was loaded from (a folder or a Hub id, whose snapshot
+    is downloaded or found in the cache), read one at a time: the 16-bit originals of FP8 bases."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self._where: dict[str, Path] | None = None
+
+    def _shard_of(self, key: str) -> Path | None:
+        if self._where is None:
+            path = Path(self.source)
+            if not path.is_dir():
+                from huggingface_hub import snapshot_download
+
+                path = Path(snapshot_download(self.source, allow_patterns=["*.safetensors", "*.json"]))
+            self._where = {k: shard for shard, keys in checkpoint_shards(path) for k in keys}
+        return self._where.get(key)
+
+    def load(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The float32 tensor ``key``; a ValueError when the checkpoint has no float tensor of ``shape`` there."""
+        shard = self._shard_of(key)
+        tensor = None if shard is None else _read_tensor(shard, key)
+        if tensor is None or not tensor.is_floating_point() or tuple(tensor.shape) != tuple(shape):
+            found = "no such tensor" if tensor is None else f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+            raise ValueError(f"{key}: the base weight is stored in FP8 and its 16-bit original was to be read from "
+                             f"{self.source}, which holds {found} (expected float {tuple(shape)}); pass base=<the "
+                             "16-bit checkpoint> to save_merged (then save_gguf on the merged folder)")
+        return tensor
+
+
+def _no_original(key: str) -> torch.Tensor:
+    raise ValueError(f"{key}: the base weight is stored in FP8 (FastConfig(base_dtype='fp8')) and the model was not "
+                     "loaded from a checkpoint, so its 16-bit original is unknown: pass base=<folder or Hub id of the "
+                     "16-bit checkpoint> to save_merged (then save_gguf on the merged folder)")
+
+
 class _Walker:
     """Walks a transformers model once and records entries (live weights) and merge rules."""
 
@@ -212,6 +257,19 @@ class _Walker:
         self.entries: list[WeightEntry] = []
         self.rules = MergeRules()
         self._uses: dict[int, list[tuple[int, bool]]] = {}  # id(param) -> [(entry index, merged?)]
+        self._originals: dict[str, OriginalWeights] = {}
+
+    def base_weight(self, layer: nn.Module, key: str) -> Callable[[], torch.Tensor]:
+        """A loader of ``layer``'s weight as a float tensor: dequantised, or for an FP8 layer its
+        16-bit original read from the recorded source checkpoint."""
+        if not is_fp8_layer(layer):
+            return lambda: dequantized_weight(layer)
+        source = layer.__dict__.get(FP8_SOURCE_ATTR)
+        if source is None:
+            return lambda: _no_original(key)
+        original = self._originals.setdefault(source, OriginalWeights(source))
+        shape = _weight_shape(layer)
+        return lambda: original.load(key, shape)
 
     def add(self, name: str, shape, load, source: torch.Tensor | None, merged: bool) -> None:
         if source is not None:
@@ -228,12 +286,13 @@ class _Walker:
         if _is_modules_to_save(module):
             self._modules_to_save(module, prefix)
             return
-        quantized = type(getattr(module, "weight", None)).__name__ in ("Params4bit", "Int8Params")
+        quantized = (type(getattr(module, "weight", None)).__name__ in ("Params4bit", "Int8Params")
+                     or is_fp8_layer(module))
         for pname, param in module._parameters.items():
             if param is None:
                 continue
             if pname == "weight" and quantized:
-                self.add(prefix + pname, _weight_shape(module), lambda m=module: dequantized_weight(m), param, False)
+                self.add(prefix + pname, _weight_shape(module), self.base_weight(module, prefix + pname), param, False)
             else:
                 self.add(prefix + pname, param.shape, lambda p=param: _as_float(p), param, False)
         for bname, buf in module._buffers.items():
@@ -273,9 +332,9 @@ class _Walker:
         if merge_w is not None:
             self.rules.merge[key] = merge_w
             self.rules.shapes[key] = _weight_shape(base)
-        self.add(key, _weight_shape(base),
-                 lambda b=base, f=merge_w: f(dequantized_weight(b)) if f else dequantized_weight(b),
-                 base.weight, merge_w is not None)
+        read = self.base_weight(base, key)
+        self.add(key, _weight_shape(base), lambda r=read, f=merge_w: f(r()) if f else r(), base.weight,
+                 merge_w is not None)
         bias = getattr(base, "bias", None)
         if bias is not None:
             if merge_b is not None:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..config import FastConfig
+from ..model_patches.lora_fp8 import fp8_load_config
 from .lora_spec import LoraSpec
 
 logger = logging.getLogger("fasttune")
@@ -82,7 +83,7 @@ _DEFAULT_LORA = LoraSpec()
 
 
 def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = None, load_in_4bit: bool = False,
-               dtype: torch.dtype | str | None = None, lora: LoraSpec | None = _DEFAULT_LORA,
+               load_in_fp8: bool = False, dtype: torch.dtype | str | None = None, lora: LoraSpec | None = _DEFAULT_LORA,
                fast_config: FastConfig | None = None, revision: str | None = None, token: str | bool | None = None,
                **model_kwargs: Any):
     """Load a causal LM and its tokenizer, attach LoRA and patch the model (see the module docstring).
@@ -91,6 +92,8 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
         name_or_path: Hub id ("org/name") or a folder written by ``save_pretrained``.
         max_seq_length: longest sequence you will train on; sets ``tokenizer.model_max_length``.
         load_in_4bit: quantise the linear layers to NF4 with bitsandbytes (QLoRA).
+        load_in_fp8: the LoRA bases in FP8 (an approximation): sets ``base_dtype="fp8"`` on
+            ``fast_config``; loaded in ``dtype`` (or NF4) first, converted layer by layer (``lora_fp8.py``).
         dtype: "auto"/None, "bfloat16", "float16", "float32" or a torch dtype (the compute dtype under 4-bit).
         lora: the adapter to attach (``LoraSpec()`` by default); None for full fine-tuning (or
             inference, with 4-bit weights). A ``peft.LoraConfig`` is accepted as is.
@@ -112,6 +115,7 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
         ValueError: an option is invalid (the message names it).
     """
     dtype, device = _check_options(max_seq_length, load_in_4bit, dtype, lora, fast_config, model_kwargs)
+    fast_config = fp8_load_config(load_in_fp8, fast_config, lora)
     name = os.fspath(name_or_path) if isinstance(name_or_path, os.PathLike) else name_or_path
     if not isinstance(name, str) or not name:
         raise TypeError(f"name_or_path must be a Hub id or a folder path, got {name_or_path!r}")

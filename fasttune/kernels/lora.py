@@ -33,6 +33,10 @@ and backward sums dX = Σ_p dY_p W_p + [dYB_q dYB_k dYB_v] [A_q; A_k; A_v] in on
 projection whose A is None has no adapter (only q and v targeted, say). ``lora_o`` is
 ``lora_linear``. The gated MLP lives in ``lora_glu.py`` (``lora_mlp``).
 
+FP8 bases (``BaseWeight(codes, fp8_scale=...)``, ``FastConfig.base_dtype="fp8"``): the two base
+products X Wᵀ and dY W run through ``fp8.py`` (X quantised once per group of projections that
+share it); the rank-r terms, dA and dB are computed as above, in x's dtype. Never widened.
+
 Dtypes: x is float32, float16 or bfloat16 and sets the compute dtype. A dense W must have x's
 dtype; an NF4 W is read as bitsandbytes' ``matmul_4bit`` reads it: dequantised straight to x's
 dtype in the forward (``gemm_4bit``), rounded to its QuantState dtype first for dX
@@ -52,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import check_float, check_same_device
+from .fp8 import Fp8Weight, forward_product, grad_input_product, quantize_rows
 from .lora_wide import project_wide, wide_columns, wide_grad_input
 from .nf4 import dequantize_nf4
 
@@ -59,7 +64,8 @@ __all__ = ["BaseWeight", "lora_linear", "lora_o", "lora_qkv"]
 
 
 class BaseWeight:
-    """A frozen base-layer weight [out, in]: a dense tensor or an NF4 ``(packed, quant_state)``.
+    """A frozen base-layer weight [out, in]: a dense tensor, an NF4 ``(packed, quant_state)`` or
+    FP8 codes with their row scales (``fp8.Fp8Weight``).
 
     Args:
         weight: the dense weight, or the packed NF4 codes (``Params4bit.data``) when
@@ -68,17 +74,25 @@ class BaseWeight:
         bias: optional frozen bias [out].
         wide: a ``lora_wide.WideWeight`` whose buffer holds this dense weight (then the rank-r
             term rides in the base product, ``lora_wide.py``), else None.
+        fp8_scale: the float32 row scales [out] when ``weight`` holds FP8 codes (uint8 or
+            float8_e4m3fn [out, in]), else None.
 
     Raises ValueError when the weight or bias requires grad: the fused LoRA Functions give the
     base layer no gradient, so a trainable base weight would silently stop training.
     """
 
-    __slots__ = ("weight", "quant_state", "bias", "wide")
+    __slots__ = ("weight", "quant_state", "bias", "wide", "fp8")
 
-    def __init__(self, weight: torch.Tensor, quant_state=None, bias: torch.Tensor | None = None, wide=None):
+    def __init__(self, weight: torch.Tensor, quant_state=None, bias: torch.Tensor | None = None, wide=None,
+                 fp8_scale: torch.Tensor | None = None):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-        if quant_state is None:
+        self.fp8 = None
+        if fp8_scale is not None:
+            if quant_state is not None or wide is not None:
+                raise ValueError("an FP8 base weight takes no quant_state and no wide buffer")
+            self.fp8 = Fp8Weight(weight, fp8_scale)
+        elif quant_state is None:
             if weight.dim() != 2 or not weight.is_floating_point():
                 raise ValueError(f"a dense base weight must be a 2-D float tensor, got {weight.dim()}-D {weight.dtype}")
         elif len(getattr(quant_state, "shape", ())) != 2:
@@ -101,9 +115,11 @@ class BaseWeight:
 
     @classmethod
     def of(cls, base) -> BaseWeight:
-        """Coerce a BaseWeight, a dense tensor or a ``(packed, quant_state)`` pair."""
+        """Coerce a BaseWeight, a dense tensor, a ``(packed, quant_state)`` pair or an ``Fp8Weight``."""
         if isinstance(base, BaseWeight):
             return base
+        if isinstance(base, Fp8Weight):
+            return cls(base.codes, fp8_scale=base.scale)
         if isinstance(base, torch.Tensor):
             return cls(base)
         if isinstance(base, (tuple, list)) and len(base) == 2:
@@ -120,6 +136,10 @@ class BaseWeight:
         return self.quant_state is not None
 
     @property
+    def is_fp8(self) -> bool:
+        return self.fp8 is not None
+
+    @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
@@ -134,8 +154,11 @@ class BaseWeight:
         to the compute dtype, for the forward product (its ``gemm_4bit``); rounded to the
         QuantState's dtype first with ``for_grad_input`` (its backward,
         ``dequantize_4bit(...).to(dy.dtype)``). fp32 compute over a bf16 QuantState: the exact
-        fp32 weight forward, the bf16-rounded one in dX = dY W (``nf4.py``).
+        fp32 weight forward, the bf16-rounded one in dX = dY W (``nf4.py``). FP8: the dequantised
+        codes (the fused paths never need it: they multiply the codes, ``fp8.py``).
         """
+        if self.is_fp8:
+            return self.fp8.dequantize(dtype or torch.float32)
         if not self.is_nf4:
             return self.weight if dtype in (None, self.weight.dtype) else self.weight.to(dtype)
         if out is not None:
@@ -174,7 +197,7 @@ def check_projection(name: str, spec, x: torch.Tensor, autocast: bool):
     if x.shape[-1] != in_f:
         raise ValueError(f"{name}: x has {x.shape[-1]} features, the base weight expects {in_f}")
     check_same_device(x=x, **{f"{name}_weight": base.weight, f"{name}_bias": base.bias})
-    if not base.is_nf4 and base.weight.dtype != x.dtype and not autocast:
+    if not base.is_nf4 and not base.is_fp8 and base.weight.dtype != x.dtype and not autocast:
         raise TypeError(f"{name}: base weight is {base.weight.dtype} but x is {x.dtype}")
     if (a is None) != (b is None):
         raise ValueError(f"{name}: lora_a and lora_b must both be tensors or both be None")
@@ -238,10 +261,17 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
     cols = wide_columns(bases, adapters, dt)
     if cols is not None:
         return project_wide(x2, bases, adapters, xa, cols, xcat)
-    ys, col = [], 0
+    ys, col, xq = [], 0, None
     for base, ad in zip(bases, adapters):
-        w = base.materialize(out=scratch, dtype=dt)
-        y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
+        if base.is_fp8:
+            if xq is None:  # one quantisation of X for every FP8 projection of it
+                xq = quantize_rows(x2)
+            y = forward_product(x2, base.fp8, xq)
+            if base.bias is not None:
+                y.add_(base.bias.to(dt))
+        else:
+            w = base.materialize(out=scratch, dtype=dt)
+            y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
         if ad is not None:
             a, b, s = ad
             y.addmm_(xa[:, col:col + a.shape[0]], b.to(dt).t(), alpha=s)
@@ -263,9 +293,14 @@ def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None) -> tuple[t
 
 def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | None, scratch) -> torch.Tensor:
     """dX = dYB [A_p] + Σ_p dY_p W_p; the rank-r term first so each base product accumulates in
-    the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``."""
+    the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``; FP8 ones are
+    multiplied as codes (``fp8.grad_input_product``)."""
     dx = None if dyb is None else torch.mm(dyb, a_stacked)
     for dy, base in zip(dys, bases):
+        if base.is_fp8:  # its own output buffer (no accumulating FP8 product), added on
+            part = grad_input_product(dy, base.fp8)
+            dx = part if dx is None else dx.add_(part)
+            continue
         w = base.materialize(out=scratch, dtype=dy.dtype, for_grad_input=True)
         dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
     return dx
@@ -342,7 +377,7 @@ def _prepare_linear(x, base, lora_a, lora_b, scaling, bias, name="base"):
     if bias is not None:
         if base.bias is not None:
             raise ValueError("bias given twice: as bias= and on the BaseWeight")
-        base = BaseWeight(base.weight, base.quant_state, bias)
+        base = BaseWeight(base.weight, base.quant_state, bias, fp8_scale=None if base.fp8 is None else base.fp8.scale)
     return (x, *check_projection(name, (base, lora_a, lora_b, scaling), x, autocast))
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "lora_mlp",
     "lora_qkv",
     "NF4_CODE",
+    "quantize_rows_fp8",
+    "fp8_scaled_product",
 ]
 
 # Default rows per chunk of the bounded-memory reference loss (the kernels size their own chunks).
@@ -405,3 +407,34 @@ def lora_qkv(x, q, k, v):
     for w, a, b, s in (q, k, v):
         out.append(x @ w.t() if a is None else lora_linear(x, w, a, b, s))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_rows_fp8(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale): float8_e4m3fn codes [N, K] and a power-of-two float32 scale per row [N] with
+    ``codes · scale = v`` up to the e4m3 rounding, where v = x (times ``col_scale`` per column, in
+    float32). The scale is the smallest 2^e with max|v_row| ≤ 448·2^e (e clamped to [-126, 126],
+    so both 2^e and 2^-e are normal floats): v·2^-e is exact and never exceeds 448."""
+    v = x.float() if col_scale is None else x.float() * col_scale.float()
+    amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
+    bits = amax.contiguous().view(torch.int32)
+    # 448 = 1.75·2^8: M·2^E ≤ 448·2^e for e = E − 8 when the mantissa M ≤ 1.75, else E − 7.
+    e = ((bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp(-126, 126)
+    scale = ((e + 127) << 23).view(torch.float32)
+    inv = ((127 - e) << 23).view(torch.float32)
+    return (v * inv[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_scaled_product(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """diag(a_scale) (A B) diag(b_scale) for float8 codes A [M, K], B [K, N] (any layout), in
+    float32, rounded once to ``out_dtype``: what ``torch._scaled_mm`` computes with row-wise
+    scales (products of e4m3 values are exact in float32; only the accumulation order differs)."""
+    out = (a.float() @ b.float()) * a_scale.float()[:, None]
+    if b_scale is not None:
+        out = out * b_scale.float()[None, :]
+    return out.to(out_dtype)

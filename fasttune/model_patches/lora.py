@@ -11,15 +11,17 @@ LoRA parameters and frozen dense or bitsandbytes-NF4 base weights:
     fused_mlp    ``lora_mlp(x, gate, up, down, activation)``; Phi-3's ``gate_up_proj``:
                  ``lora_linear`` → SwiGLU/GeGLU kernel → ``lora_linear(down)``
 
-Reported per module as "lora_qkv", "lora_o", "lora_mlp". A module whose projections the fused
-path would not compute exactly (``lora_spec`` says why: dropout, DoRA, several active adapters,
-a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no adapter on any of its projections; or
-forward hooks on a projection, which the fused path would skip: accelerate offloading, PEFT's
-mixed-adapter batches) keeps PEFT's path and is listed in ``report.fallbacks``. DeepSpeed
-ZeRO-3's own hooks are the exception: a call is fused when the projections' partitioned
-parameters are gathered for the attention / MLP module itself (registered as its external
-parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it takes PEFT's
-path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and reports nothing.
+Reported per module as "lora_qkv", "lora_o", "lora_mlp"; a fused call over FP8 bases
+(``base_dtype="fp8"``, ``lora_fp8.py``) also counts one "fp8_<projection>" call per such
+projection. A module whose projections the fused path would not compute exactly (``lora_spec`` says
+why: dropout, DoRA, several active adapters, a LoRA or trainable bias, 8-bit/FP4 bases, ...; or no
+adapter on any of its projections; or forward hooks on a projection, which the fused path would
+skip: accelerate offloading, PEFT's mixed-adapter batches) keeps PEFT's path and is listed in
+``report.fallbacks``. DeepSpeed ZeRO-3's own hooks are the exception: a call is fused when the
+projections' partitioned parameters are gathered for the attention / MLP module itself (registered
+as its external parameters, ``hf_integration.distributed.register_zero3_fused_lora``), else it
+takes PEFT's path. A model without any PEFT LoRA layer (full fine-tuning) is left alone and reports
+nothing.
 
 Eligibility is decided at patch time for the report and checked again at every call, because
 the adapter state changes under a patched model (``set_adapter``, ``merge_adapter``,
@@ -42,11 +44,13 @@ import torch
 from torch import nn
 
 from ..config import FastConfig
+from ..kernels.fp8 import product_path
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.lora_glu import lora_mlp
 from .attention import attention_forward
 from .checkpointing import recomputing
 from .families import ACTIVATIONS, FamilySpec
+from .fp8_base import fp8_op
 from .instance import stock_is_faster
 from .lora_specs import lora_spec
 from .lora_widen import Unwiden, widen_group
@@ -79,6 +83,8 @@ def stock_compute_dtype(proj: nn.Module, spec, x_dtype: torch.dtype) -> torch.dt
     Dense: the weight's. bitsandbytes ``Linear4bit`` casts x to ``compute_dtype``, which its
     first forward resets to the input's dtype when that is float32 or bfloat16.
     """
+    if spec[0].is_fp8:  # the FP8 layer's own forward computes in x's dtype (fp8_base.py)
+        return x_dtype
     if not spec[0].is_nf4:
         return spec[0].weight.dtype
     layer = _base_layer(proj)
@@ -170,6 +176,13 @@ class _Hook:
     def __repr__(self) -> str:
         return f"<fasttune {type(self).__name__} over {', '.join(self.names)}>"
 
+    def count_fp8(self, specs, x: torch.Tensor) -> None:
+        """One call of each FP8 base projection in ``specs``: ``(fp8_<name>, FUSED)`` when its
+        products run on FP8 tensor cores, else why the dequantise-and-matmul reference runs."""
+        for name, spec in zip(self.names, specs):
+            if spec[0].is_fp8:
+                self.calls[fp8_op(name), product_path(x, spec[0].fp8, compute_dtype(x)) or FUSED] += 1
+
     def groups(self, n: int) -> tuple[tuple[int, int, bool], ...]:
         """The projection groups that share one input, as (start, stop, input copied) over the specs."""
         return ()
@@ -217,6 +230,7 @@ class LoRAQKVHook(_Hook):
         self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             return self.previous(module, hidden_states)
+        self.count_fp8(specs, hidden_states)
         if len(specs) == 3:
             return lora_qkv(hidden_states, *specs)
         qkv = lora_linear(hidden_states, *specs[0])
@@ -238,6 +252,7 @@ class LoRAOHook(_Hook):
         self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             return self.previous(module, attn_output)
+        self.count_fp8(specs, attn_output)
         return lora_linear(attn_output, *specs[0])
 
 
@@ -275,6 +290,7 @@ class LoRAMLPHook(_Hook):
             # then computes bitwise what a fresh adapter (B = 0) computes.
             fwd = mlp_forward(module)
             return fwd.unfused(x) if fwd is not None else self.stock(x)
+        self.count_fp8(specs, x)
         if self.act_op is not None:
             self.calls[self.act_op, FUSED] += 1
         if len(specs) == 3:
@@ -354,18 +370,23 @@ def _patch_mlp(name: str, module: nn.Module, spec: FamilySpec, base: nn.Module, 
     _install(fwd, "fused_mlp", hook, report, OP_MLP)
 
 
+def fused_projection_names(module: nn.Module) -> list[str]:
+    """The names of the projections of ``module`` (an attention or MLP) its fused-LoRA hooks read."""
+    fwd = attention_forward(module) or mlp_forward(module)
+    if fwd is None:
+        return []
+    hooks = [getattr(fwd, attr, None) for attr in ("project_qkv", "project_o", "fused_mlp")]
+    names = [n for h in hooks if isinstance(h, _Hook) for n in h.names]
+    return [n for n in names if isinstance(getattr(module, n, None), nn.Module)]
+
+
 def fused_lora_projections(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
     """(attention or MLP module, the projection modules its fused-LoRA hooks read), per patched module."""
     out = []
     for module in model.modules():
-        fwd = attention_forward(module) or mlp_forward(module)
-        if fwd is None:
-            continue
-        hooks = [getattr(fwd, attr, None) for attr in ("project_qkv", "project_o", "fused_mlp")]
-        names = [n for h in hooks if isinstance(h, _Hook) for n in h.names]
-        projections = [getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Module)]
-        if projections:
-            out.append((module, projections))
+        names = fused_projection_names(module)
+        if names:
+            out.append((module, [getattr(module, n) for n in names]))
     return out
 
 
@@ -387,5 +408,5 @@ def patch_lora(base: nn.Module, spec: FamilySpec, classes: dict, config: FastCon
             _patch_mlp(name, module, spec, base, config, report)
 
 
-__all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "fused_lora_projections", "is_lora_layer",
-           "patch_lora", "projection_specs", "stock_compute_dtype"]
+__all__ = ["LoRAMLPHook", "LoRAOHook", "LoRAQKVHook", "call_specs", "fused_lora_projections", "fused_projection_names",
+           "is_lora_layer", "patch_lora", "projection_specs", "stock_compute_dtype"]

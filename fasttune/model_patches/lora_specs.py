@@ -8,7 +8,8 @@ variant, several active adapters, merged or disabled adapters, a LoRA bias, fan-
 weights, a trainable base weight, a base layer other than a linear or an NF4 ``Linear4bit``, a
 DeepSpeed ZeRO-3 weight that is not gathered for the caller. Call it at each forward: it reads
 the module's current state (set_adapter, merge, disable). A dense base weight re-homed by
-``lora_widen.py`` comes with its ``WideWeight``.
+``lora_widen.py`` comes with its ``WideWeight``; one stored in FP8 by ``fp8_base.py`` is an FP8
+``BaseWeight`` (codes and row scales).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ..kernels.lora import BaseWeight
+from .fp8_base import fp8_weight_of, is_fp8_layer
 from .lora_widen import wide_of
 from .zero3 import is_zero3_param, zero3_ready
 
@@ -42,6 +44,8 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
                         "at train begin: register_zero3_fused_lora)")
         elif type(layer) is nn.Linear:  # patching: judge the layer by DeepSpeed's record of its shape
             return BaseWeight(torch.empty(tuple(weight.ds_shape), dtype=weight.dtype, device="meta"))
+    if is_fp8_layer(layer):  # stored in FP8 by fp8_base.py (FastConfig.base_dtype="fp8")
+        return BaseWeight(weight, None, None if bias is None else bias.detach(), fp8_scale=fp8_weight_of(layer).scale)
     if type(layer).__name__ == "Linear8bitLt" or hasattr(weight, "SCB"):
         return "8-bit bitsandbytes base layer"
     quant_state = getattr(weight, "quant_state", None)

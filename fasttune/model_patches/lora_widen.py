@@ -8,13 +8,15 @@ optimizers, hooks and state dicts are unaffected; ``save_pretrained`` and fasttu
 it contiguous). The ``WideWeight`` is kept on the base layer (``WIDE_ATTR``) and
 ``lora_specs.lora_spec`` hands it to the kernels while the parameter is still its view.
 
-A group is widened when it pays: its projections' outputs together are wider than its input
-(q/k/v, gate/up; the gated MLP's down projection always, its input being written in place by the
-GLU kernel), and only weights fasttune may re-home: plain dense tensors in the compute dtype that
-own their storage (not FSDP shards or views of flat buffers, not DeepSpeed ZeRO-3 partitions, not
-quantised). Memory: R = Σ r_p rounded up to ``TAIL_MULTIPLE`` (64) columns per weight, +1.2% of
-an 8B model's weights at r = 16. Widening happens at a projection group's first fused call, not at
-patch time: FSDP shards the model after fasttune patches it and refuses strided parameters.
+A group is widened when it pays: its projections' outputs together are wider than its input (q/k/v,
+gate/up; the gated MLP's down projection always, its input being written in place by the GLU
+kernel), and only weights fasttune may re-home: plain dense tensors in the compute dtype that own
+their storage (not FSDP shards or views of flat buffers, not DeepSpeed ZeRO-3 partitions, not
+quantised: NF4, and FP8 bases, whose codes cannot hold the 16-bit B columns and whose rank-r term
+must keep its precision, so FP8 groups keep the two-product path). Memory: R = Σ r_p rounded up to
+``TAIL_MULTIPLE`` (64) columns per weight, +1.2% of an 8B model's weights at r = 16. Widening
+happens at a projection group's first fused call, not at patch time: FSDP shards the model after
+fasttune patches it and refuses strided parameters.
 ``unwiden`` (run by ``unpatch_model``) gives every parameter contiguous storage back.
 """
 
@@ -59,7 +61,7 @@ def _owns_storage(weight: torch.Tensor) -> bool:
 def _can_widen(layer: nn.Module, base: BaseWeight, dtype: torch.dtype) -> bool:
     weight = getattr(layer, "weight", None)
     return (isinstance(layer, nn.Linear) and isinstance(weight, nn.Parameter) and base.weight is weight
-            and not base.is_nf4 and not weight.requires_grad and weight.dtype == dtype
+            and not base.is_nf4 and not base.is_fp8 and not weight.requires_grad and weight.dtype == dtype
             and not is_zero3_param(weight) and (base.wide is not None or _owns_storage(weight)))
 
 

@@ -19,6 +19,7 @@ from .families import FAMILIES, family_for, resolve_classes
 from .head import patch_head
 from .instance import find_causal_lm
 from .lora import patch_lora
+from .lora_fp8 import patch_fp8_bases
 from .mlp import patch_mlp
 from .moe import patch_moe
 from .norm import patch_norms
@@ -31,8 +32,8 @@ logger = logging.getLogger("fasttune")
 STATE_ATTR = "_fasttune_report"
 
 # The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
-PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora, patch_residuals,
-            install_checkpointing, patch_vision_tower)
+PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora, patch_fp8_bases,
+            patch_residuals, install_checkpointing, patch_vision_tower)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:

@@ -158,6 +158,29 @@ def test_load_4bit_nf4_double_quant_no_upcast(saved):
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
 
 
+@pytest.mark.parametrize("nf4", [False, True])
+def test_load_in_fp8_stores_the_lora_bases_in_fp8(saved, nf4):
+    """load_in_fp8=True is FastConfig(base_dtype="fp8"): every LoRA base in FP8, recorded with its
+    source folder (exports read the 16-bit originals there); from NF4 too (dequantised once)."""
+    if nf4:
+        pytest.importorskip("bitsandbytes")
+    from fasttune.model_patches.fp8_base import FP8_SOURCE_ATTR, is_fp8_layer
+
+    model, tok = load_model(saved, dtype="float32", load_in_4bit=nf4, load_in_fp8=True, lora=LoraSpec(r=4, seed=0),
+                            fast_config=FastConfig(rope=False))
+    report = patch_report(model)
+    assert {report.patched["fp8_" + p] for p in LORA_TARGETS} == {2}, str(report)
+    assert report.patched["rope"] == 0  # the rest of the given fast_config is kept
+    bases = [m.get_base_layer() for n, m in model.named_modules()
+             if n.endswith(LORA_TARGETS) and hasattr(m, "base_layer")]
+    assert len(bases) == 14 and all(is_fp8_layer(b) and b.__dict__[FP8_SOURCE_ATTR] == str(saved) for b in bases)
+    model.train()
+    batch = _bos_batch(tok, next(model.parameters()).device)
+    out = model(**batch, labels=batch["input_ids"])
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+
+
 def test_4bit_lora_generation_matches_unpatched(saved):
     """Greedy tokens and per-step logits of the patched NF4+LoRA model equal PEFT/bitsandbytes' own (fp32).
 
@@ -381,6 +404,8 @@ def test_hub_unreachable(monkeypatch):
     (dict(dtype="int8"), "dtype"),
     (dict(dtype=torch.float64), "dtype"),
     (dict(load_in_4bit="yes"), "load_in_4bit"),
+    (dict(load_in_fp8="yes"), "load_in_fp8"),
+    (dict(load_in_fp8=True, lora=None), "load_in_fp8"),
     (dict(torch_dtype=torch.float16), "dtype"),
     (dict(quantization_config=object()), "quantization_config"),
 ])

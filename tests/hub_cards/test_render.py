@@ -101,6 +101,16 @@ def test_card_embeds_config_as_a_table_without_secrets():
     assert "hub_token" not in config and "hf_x" not in text and "api_key" not in text
 
 
+@pytest.mark.parametrize("kind", ["adapter", "merged", "gguf"])
+def test_fp8_training_is_named_on_every_card(kind):
+    from fasttune import FastConfig
+
+    plain = _render(kind, fast_config=FastConfig().to_dict())
+    fp8 = _render(kind, fast_config=FastConfig(base_dtype="fp8").to_dict())
+    assert "FP8" not in plain
+    assert "Trained with FP8 base matmuls" in fp8 and "original 16-bit base weights" in fp8
+
+
 def test_missing_loss_curve_note():
     _, body = _front_matter(_render("adapter", loss_curve=None,
                                     loss_curve_note="Loss curve not shown: matplotlib is not installed."))

@@ -113,11 +113,23 @@ def _model(lora: bool, tied: bool = False, seed: int = 0):
                                                             "up_proj", "down_proj"]))
 
 
-def _patched(model, checkpointing="offload"):
+def _patched(model, checkpointing="offload", base_dtype="auto"):
     from fasttune import FastConfig, patch_model
 
-    report = patch_model(model, FastConfig(checkpointing=checkpointing))
+    report = patch_model(model, FastConfig(checkpointing=checkpointing, base_dtype=base_dtype))
     return model, dict(report.patched)
+
+
+def _fp8_calls(model) -> dict:
+    """FP8 base products counted on this rank, by outcome (on a CPU: the reference, with its reason),
+    and the dtypes of the base weights (uint8 codes wherever they were converted)."""
+    from fasttune.model_patches.patch import patch_report
+
+    calls = {}
+    for (op, outcome), n in patch_report(model).calls.items():
+        if op.startswith("fp8_"):
+            calls[outcome] = calls.get(outcome, 0) + n
+    return calls
 
 
 def _rel(a, b) -> float:
@@ -161,13 +173,15 @@ class _Spy:
 
 # --- DDP -------------------------------------------------------------------------------------------
 
-def scenario_ddp(rank: int, world: int) -> dict:
+def scenario_ddp(rank: int, world: int, base_dtype: str = "auto") -> dict:
     """LoRA + "offload" checkpointing under DistributedDataParallel, find_unused_parameters False
-    then True, two SGD steps each: the all-reduced gradients against one process on the global batch."""
+    then True, two SGD steps each: the all-reduced gradients against one process on the global batch.
+    ``base_dtype="fp8"``: the bases in FP8 on every rank (DDP broadcasts the uint8 codes), and in
+    the single process."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model, patched = _patched(_model(lora=True))
-    ref, _ = _patched(_model(lora=True)) if rank == 0 else (None, None)
+    model, patched = _patched(_model(lora=True), base_dtype=base_dtype)
+    ref, _ = _patched(_model(lora=True), base_dtype=base_dtype) if rank == 0 else (None, None)
     out = {"patched": patched, "rounds": []}
     batches = _global_batches(4, world)
     for i, find_unused in enumerate((False, True)):
@@ -194,6 +208,9 @@ def scenario_ddp(rank: int, world: int) -> dict:
                 _sgd(ref)
             _sgd(model)
             out["rounds"].append(record)
+    out["fp8_calls"] = _fp8_calls(model)
+    out["base_dtypes"] = sorted({str(m.get_base_layer().weight.dtype) for n, m in model.named_modules()
+                                 if n.endswith("_proj") and hasattr(m, "base_layer")})
     return out
 
 
@@ -261,10 +278,14 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
         "dtensor_head": (False, False, "dtensor", "no"),
         "bf16": (False, False, "accelerate", "bf16"),
         "lora_gathered": (True, False, "accelerate", "no"),
+        "lora_fp8": (True, False, "accelerate", "no"),
     }[name]
     # "lora_gathered" checkpoints with "auto": the gathered layers' memory is reserved from its budget.
-    model, patched = _patched(_model(lora=lora, tied=tied), "auto" if name == "lora_gathered" else "offload")
-    ref, _ = _patched(_model(lora=lora, tied=tied)) if rank == 0 else (None, None)
+    # "lora_fp8": FP8 bases (uint8 codes sharded by rows, scales whole on every rank), "auto" checkpointing.
+    base_dtype = "fp8" if name == "lora_fp8" else "auto"
+    model, patched = _patched(_model(lora=lora, tied=tied), "auto" if name in ("lora_gathered", "lora_fp8")
+                              else "offload", base_dtype)
+    ref, _ = _patched(_model(lora=lora, tied=tied), base_dtype=base_dtype) if rank == 0 else (None, None)
     if layout == "accelerate":
         model = _accelerate_fsdp2(model, rank, mp)
     elif layout == "root":
@@ -329,6 +350,11 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
                 out["export_err"] = max(_rel(p, ref_params[k]) for k, p in mine.items())
                 out["export_tied"] = m.get_output_embeddings().weight is m.get_input_embeddings().weight
         out["after_export_types"] = sorted({type(p).__name__ for p in model.parameters()})
+    if base_dtype == "fp8":
+        out["fp8_calls"] = _fp8_calls(model)
+        out["sharded_base_dtypes"] = sorted({f"{type(m.get_base_layer().weight).__name__} "
+                                             f"{m.get_base_layer().weight.dtype}" for n, m in model.named_modules()
+                                             if n.endswith("_proj") and hasattr(m, "base_layer")})
     return out
 
 
