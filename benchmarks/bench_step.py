@@ -335,7 +335,10 @@ def measure(step: Step, tokens: int, warmup: int, steps: int, gc_mode: str = "on
     gc.unfreeze()
     ms = statistics.median(times) * 1e3
     peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
+    # Reserved: what the caching allocator holds (fragmentation included), what another process cannot use.
+    reserved = torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else float("nan")
     return dict(ms=round(ms, 1), tokens_per_s=round(tokens / (ms / 1e3)), peak_gib=round(peak, 2),
+                peak_reserved_gib=round(reserved, 2),
                 loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times],
                 gc=gc_mode, gc_collections=collections, phases=phases,
                 ms_back_to_back=round(pipelined_ms, 1), tokens_per_s_back_to_back=round(tokens / (pipelined_ms / 1e3)))
@@ -540,14 +543,14 @@ def fmt_row(r: dict) -> str:
         return f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['error']} | | | |"
     b2b = f" (back to back {r['tokens_per_s_back_to_back']:,})" if "tokens_per_s_back_to_back" in r else ""
     return (f"| {r['stack']} | {r['weights']} | {r['shape']} | {r['ms']:.0f} | {r['tokens_per_s']:,}{b2b} "
-            f"| {r['peak_gib']} | {r['loss_step1']} |")
+            f"| {r['peak_gib']} / {r.get('peak_reserved_gib', '-')} | {r['loss_step1']} |")
 
 
 def markdown(rows: list[dict], args) -> str:
     """Tokens/s and peak GiB per stack × weights, one column pair per shape, speed-ups vs hf and unsloth."""
     shapes = [f"{b}x{s}" for b, s in args.shapes]
     by = {(r["stack"], r["weights"], r["shape"]): r for r in rows}
-    head = ("| stack | weights | " + " | ".join(f"{s} tok/s (× hf, × unsloth) | {s} peak GiB" for s in shapes)
+    head = ("| stack | weights | " + " | ".join(f"{s} tok/s (× hf, × unsloth) | {s} peak GiB alloc / reserved" for s in shapes)
             + " | step-1 loss |")
     lines = [head, "|---|---|" + "---|---|" * len(shapes) + "---|"]
     for stack in args.stacks:
@@ -561,7 +564,7 @@ def markdown(rows: list[dict], args) -> str:
                 ratios = [f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}×"
                           for ref in (by.get((base, w, s), {}) for base in ("hf", "unsloth")) if "tokens_per_s" in ref]
                 x = f" ({', '.join(ratios)})" if ratios else ""
-                cells += [f"{r['tokens_per_s']:,}{x}", str(r["peak_gib"])]
+                cells += [f"{r['tokens_per_s']:,}{x}", f"{r['peak_gib']} / {r.get('peak_reserved_gib', '-')}"]
                 loss = loss or str(r["loss_step1"])
             lines.append(f"| {stack} | {w} | " + " | ".join(cells) + f" | {loss} |")
     return "\n".join(lines)

@@ -90,7 +90,8 @@ def test_default_run_is_the_yaml_demo_recipe(app_module):
                 "weight_decay", "seed", "max_length", "optim", "max_grad_norm", "gradient_accumulation_steps"):
         assert getattr(space.training, key) == getattr(demo.training, key), key
     done = app_module.result_md({"status": "completed", "metrics": {
-        "global_step": 200, "first_loss": 4.7, "last_loss": 0.01, "exact_match": 0.985, "exact_match_rows": 200}})
+        "global_step": 200, "first_loss": 4.7, "last_loss": 0.01, "exact_match": 0.985, "exact_match_rows": 200}},
+        app_module.DOWNLOADS)
     assert "held-out exact match 98.5%: the share of 200 unseen words whose shifted spelling" in done
 
 
