@@ -235,6 +235,7 @@ ARCHS: dict[str, ArchSpec] = {
     "gpt-oss": ArchSpec("gpt-oss", metadata=moe.meta_gpt_oss),
     "olmoe": ArchSpec("olmoe", output="required", metadata=moe.meta_olmoe),
     "granitemoe": ArchSpec("granitemoe", permute_qk=True, metadata=_meta_granitemoe),
+    "glm4moe": ArchSpec("glm4moe", metadata=moe.meta_glm4moe),
     "gemma": ArchSpec("gemma", norm_shift=1.0, output="never"),
     "gemma2": ArchSpec("gemma2", norm_shift=1.0, output="never", metadata=_meta_gemma2),
     "gemma3": ArchSpec("gemma3", norm_shift=1.0, metadata=_meta_gemma3),

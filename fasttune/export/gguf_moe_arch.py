@@ -14,6 +14,9 @@ Learned from llama.cpp's converter and graphs (``src/models/*.cpp``), not copied
   the per-head ``attn_sinks.weight``; q/k/v/o biases and the router bias are read.
 - olmoe: the q/k RMSNorms span the whole projection (``{n_embd}`` in llama.cpp's loader for both),
   so the k norm only fits when there are as many key/value heads as query heads; no ``clip_qkv``.
+- glm4moe: leading dense layers (``leading_dense_block_count``), a shared expert of
+  ``n_shared_experts·moe_intermediate_size`` added to every MoE layer, sigmoid gating with the
+  ``exp_probs_b`` selection bias; no expert groups (``n_group``/``topk_group`` must select all).
 """
 
 from __future__ import annotations
@@ -54,6 +57,20 @@ def meta_olmoe(w, cfg: dict[str, Any]) -> None:
     meta_experts(w, cfg)
 
 
+def meta_glm4moe(w, cfg: dict[str, Any]) -> None:
+    """GLM-4.5: sigmoid router scores, top-k chosen on scores + e_score_correction_bias, the unbiased
+    scores renormalised (norm_topk_prob) and scaled by routed_scaling_factor; dense leading layers."""
+    import gguf
+
+    meta_experts(w, cfg)
+    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    w.add_expert_shared_count(int(cfg["n_shared_experts"]))
+    w.add_leading_dense_block_count(int(cfg.get("first_k_dense_replace") or 0))
+    w.add_expert_weights_scale(float(cfg.get("routed_scaling_factor") or 1.0))
+    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", True)))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
 # Top-k renormalisation each graph applies (True: weights renormalised over the chosen k).
 _RENORMALISES = {"llama": True, "qwen3moe": True, "granitemoe": True, "olmoe": False}
 
@@ -77,6 +94,14 @@ def check_config(arch: str, cfg: dict[str, Any]) -> None:
                              "attention (num_key_value_heads != num_attention_heads) has no GGUF form")
     if arch == "gpt-oss":
         _check_gpt_oss(cfg)
+    if arch == "glm4moe":
+        groups, used = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if groups > 1 and used < groups:
+            raise ValueError(f"llama.cpp's glm4moe graph routes over all experts; group-limited routing "
+                             f"(n_group={groups}, topk_group={used}) has no GGUF form")
+        if not cfg.get("n_shared_experts"):
+            raise ValueError("llama.cpp's glm4moe graph always adds a shared expert; n_shared_experts=0 has no "
+                             "GGUF form")
 
 
 def _check_gpt_oss(cfg: dict[str, Any]) -> None:
@@ -139,8 +164,10 @@ def _gpt_oss_parts(hf_name: str, shape: tuple[int, ...]) -> list[Part] | None:
 
 def name_map_key(hf_name: str) -> str:
     """The key llama.cpp's name map knows for ``hf_name``: GraniteMoE's router
-    (``block_sparse_moe.router.weight``) under the ``mlp.gate`` name it maps."""
-    return hf_name.replace(".block_sparse_moe.router.", ".mlp.gate.")
+    (``block_sparse_moe.router.weight``) under the ``mlp.gate`` name it maps, GLM-4.5's router bias
+    buffer as ``e_score_correction.bias`` (``exp_probs_b.bias``)."""
+    return (hf_name.replace(".block_sparse_moe.router.", ".mlp.gate.")
+            .replace(".e_score_correction_bias", ".e_score_correction.bias"))
 
 
 def gguf_tensor_name(mapped: str) -> str:

@@ -1,8 +1,8 @@
 """gguf_moe_arch: gpt-oss's transposed, interleaved experts with biases split into llama.cpp's
-``ffn_{gate,up,down}_exps``, the attention sinks and router bias in the file, and the configs each
-MoE graph cannot express refused before any file is written (gpt-oss's YaRN with truncate=False
-among them, unless approximate_yarn accepts it). The logits of every MoE arch against llama.cpp
-are in test_gguf_llama_cpp.py."""
+``ffn_{gate,up,down}_exps``, the attention sinks and router bias in the file, glm4moe's metadata, and
+the configs each MoE graph cannot express refused before any file is written (gpt-oss's YaRN with
+truncate=False among them, unless approximate_yarn accepts it). The logits of every MoE arch against
+llama.cpp are in test_gguf_llama_cpp.py."""
 
 import numpy as np
 import pytest
@@ -88,6 +88,27 @@ def test_gpt_oss_metadata_sinks_and_biases(gpt_oss_file):
     assert tensors["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
 
 
+def test_glm4moe_metadata_dense_lead_shared_expert_and_selection_bias(tmp_path):
+    model = gguf_moe_model("glm4_moe")
+    path = save_gguf(model, bpe_tokenizer(), tmp_path, ["f16"], name="glm")[0]
+    reader = gguf.GGUFReader(path)
+    fields = {f.name: f.contents() for f in reader.fields.values()}
+    assert fields["glm4moe.expert_count"] == 4 and fields["glm4moe.expert_used_count"] == 2
+    assert fields["glm4moe.expert_feed_forward_length"] == 128 and fields["glm4moe.feed_forward_length"] == 256
+    assert fields["glm4moe.expert_shared_count"] == 1 and fields["glm4moe.leading_dense_block_count"] == 1
+    assert fields["glm4moe.expert_weights_scale"] == 2.5 and fields["glm4moe.expert_weights_norm"] is True
+    assert fields["glm4moe.expert_gating_func"] == gguf.ExpertGatingFuncType.SIGMOID
+    assert fields["glm4moe.rope.dimension_count"] == 32  # partial_rotary_factor 0.5 of head_dim 64
+    tensors = {t.name: t for t in reader.tensors}
+    assert {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"} <= set(tensors)
+    assert not any(n.startswith("blk.0.ffn_") and "exps" in n for n in tensors)
+    assert {"blk.1.ffn_gate_shexp.weight", "blk.1.attn_q.bias", "blk.1.attn_q_norm.weight"} <= set(tensors)
+    bias = model.base_model.model.model.layers[1].mlp.gate.e_score_correction_bias.numpy()
+    t = tensors["blk.1.exp_probs_b.bias"]
+    assert t.tensor_type == gguf.GGMLQuantizationType.F32
+    np.testing.assert_array_equal(np.asarray(t.data), bias)
+
+
 @pytest.mark.parametrize("family, overrides, match", [
     ("gpt_oss", dict(swiglu_limit=5.0), "limit=7.0"),
     ("gpt_oss", dict(swiglu_alpha=1.5), "alpha=1.702"),
@@ -97,6 +118,8 @@ def test_gpt_oss_metadata_sinks_and_biases(gpt_oss_file):
     ("olmoe", dict(num_key_value_heads=2), "grouped-query"),
     ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
     ("olmoe", dict(norm_topk_prob=True), "does not renormalise"),
+    ("glm4_moe", dict(n_routed_experts=8, n_group=4, topk_group=2), "group-limited"),
+    ("glm4_moe", dict(n_shared_experts=0), "shared expert"),
 ])
 def test_configs_llama_cpp_cannot_express_are_refused_before_writing(family, overrides, match, tmp_path):
     model = gguf_moe_model(family, **overrides)

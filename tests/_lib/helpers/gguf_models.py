@@ -79,6 +79,11 @@ MOE = {
                             pad_token_id=0, eos_token_id=2)),
     "granitemoe": ("granitemoe", dict(num_local_experts=4, intermediate_size=128, embedding_multiplier=2.0,
                                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+    # GLM-4.5's shape: a dense first layer, a shared expert, q/k/v biases, q/k norms, half-width RoPE
+    "glm4_moe": ("glm4moe", dict(n_routed_experts=4, moe_intermediate_size=128, intermediate_size=256,
+                                 first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                                 routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                                 use_qk_norm=True)),
 }
 # Where the stacked experts live when it is not ``mlp.experts`` (PEFT's target_parameters).
 EXPERTS_AT = {"granitemoe": "block_sparse_moe.experts"}
@@ -100,6 +105,9 @@ def gguf_moe_model(family: str, **overrides):
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert-choice bias: it must matter
+                b.normal_(0.0, 0.2)
     at = EXPERTS_AT.get(family, "mlp.experts")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                       target_parameters=[f"{at}.gate_up_proj", f"{at}.down_proj"])
