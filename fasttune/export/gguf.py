@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import gguf_arch
+from . import gguf_arch, gguf_moe_arch
 from .atomic import atomic_path, fsync_dir
 from .gguf_tokenizer import GGUFVocab, gguf_vocab, write_vocab
 from .merged_weights import WeightEntry, checkpoint_weights, model_weights, unwrap_model
@@ -131,13 +131,14 @@ def _arch_for(cfg_dict: dict[str, Any]) -> str:
     return spec.gguf_arch
 
 
-def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry]) -> list[_Tensor]:
+def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry], approximate_yarn: bool = False) -> list[_Tensor]:
     """GGUF tensors (names, shapes, loaders) in checkpoint order, plus extras."""
     import gguf
 
     spec = gguf_arch.ARCHS[arch]
-    gguf_arch.check_config(arch, cfg)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
+    gguf_arch.check_config(arch, cfg, approximate_yarn)
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)  # "gpt-oss" → GPT_OSS
+    name_map = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
     by_name = {e.name: e for e in entries}
     plan: list[_Tensor] = []
     for e in entries:
@@ -149,18 +150,19 @@ def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry]) -> list[_T
                 raise ValueError(f"GGUF arch {arch!r} ties the output projection to the embeddings; "
                                  "this model has a separate lm_head (tie_word_embeddings=False)")
             continue
-        parts = gguf_arch.expert_parts(e.name, e.shape)
+        parts = gguf_moe_arch.expert_parts(arch, e.name, e.shape)
         if parts is not None:  # stacked MoE experts (no ".weight" suffix in transformers 5)
-            for key, shape, index in parts:
-                new = name_map.get_name(key)
+            for key, shape, take in parts:
+                new = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
                 if new is None:
                     raise ValueError(f"GGUF arch {arch!r}: no tensor name for {key!r}")
-                plan.append(_Tensor(new + ".weight", shape, lambda e=e, i=index: e.load().detach()[i].to(
-                    "cpu", torch.float32).contiguous().numpy()))
+                plan.append(_Tensor(gguf_moe_arch.gguf_tensor_name(new), shape, lambda e=e, take=take: take(
+                    e.load().detach()).to("cpu", torch.float32).contiguous().numpy()))
             continue
-        new = name_map.get_name(e.name, try_suffixes=(".weight", ".bias"))
+        new = name_map.get_name(gguf_moe_arch.name_map_key(e.name), try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"GGUF arch {arch!r}: no tensor name for {e.name!r}")
+        new = gguf_moe_arch.gguf_tensor_name(new)  # gpt-oss's attention sinks carry no suffix
         plan.append(_Tensor(new, e.shape, lambda e=e: gguf_arch.transform(
             arch, e.name, e.load().detach().to("cpu", torch.float32).numpy(), cfg)))
     names = {t.name for t in plan}
@@ -268,7 +270,7 @@ def _llama_quantize(src: Path, dst: Path, quant: str) -> None:
 
 
 def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Sequence[str] | str = ("q8_0",), *,
-              name: str | None = None, base_model_id: str | None = None) -> list[Path]:
+              name: str | None = None, base_model_id: str | None = None, approximate_yarn: bool = False) -> list[Path]:
     """Writes one GGUF file per quantisation type.
 
     Args:
@@ -281,6 +283,8 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
             and "q2_k" … "q6_k" (need llama-cpp-python: ``pip install 'fasttune[gguf-kquants]'``).
         name: file stem; defaults to the folder's or the model's name.
         base_model_id: Hub id recorded as ``general.base_model.0.*``.
+        approximate_yarn: accept a YaRN RoPE with ``truncate=False`` (gpt-oss), which llama.cpp can
+            only run truncated: an approximation, logits drift from transformers' at long positions.
 
     Returns:
         The written paths, ``<out_dir>/<name>-<QUANT>.gguf``, in the order requested.
@@ -298,7 +302,7 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
     name = name or default_name
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = _plan(arch, cfg, entries)
+    plan = _plan(arch, cfg, entries, approximate_yarn)
 
     py = [q for q in quants if q in PY_QUANTS]
     kq = [q for q in quants if q in K_QUANTS]

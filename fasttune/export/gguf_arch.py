@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import gguf_moe_arch as moe
+
 logger = logging.getLogger(__name__)
 
 
@@ -80,11 +82,11 @@ def _common(w, cfg: dict[str, Any], arch: str) -> None:
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(cfg["vocab_size"])
     hd = head_dim(cfg)
-    if arch != "granite":
+    if arch not in ("granite", "granitemoe"):
         w.add_key_length(hd)
         w.add_value_length(hd)
     elif hd != cfg["hidden_size"] // n_head:
-        raise ValueError(f"granite GGUF needs head_dim == hidden_size / num_attention_heads, got head_dim={hd}")
+        raise ValueError(f"{arch} GGUF needs head_dim == hidden_size / num_attention_heads, got head_dim={hd}")
     rope = rope_settings(cfg)
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
     w.add_rope_dimension_count(int(hd * partial))
@@ -175,49 +177,33 @@ def _meta_none(w, cfg):
     return None
 
 
-def _meta_experts(w, cfg) -> None:
-    """Expert counts of a mixture-of-experts config (nothing for a dense one). llama.cpp's llama
-    and qwen3moe graphs route softmax → top-k → renormalised weights: Mixtral's and Qwen3-MoE's
-    ``norm_topk_prob=True``."""
-    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if not n_experts:
-        return
-    w.add_expert_count(int(n_experts))
-    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
-
-
 def _meta_llama_moe(w, cfg):
     _meta_llama(w, cfg)
-    _meta_experts(w, cfg)
+    moe.meta_experts(w, cfg)
 
 
-def check_config(arch: str, cfg: dict[str, Any]) -> None:
-    """ValueError for a config the arch's llama.cpp graph cannot represent (before any tensor is read)."""
-    if arch == "qwen3moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1):
-        raise ValueError("llama.cpp's qwen3moe graph has a mixture of experts in every layer; this config has "
-                         "dense layers (mlp_only_layers / decoder_sparse_step)")
-    if (cfg.get("num_experts") or cfg.get("num_local_experts")) and cfg.get("norm_topk_prob", True) is False:
-        raise ValueError("llama.cpp renormalises the top-k router weights; norm_topk_prob=False has no GGUF form")
+def _meta_granitemoe(w, cfg):
+    _meta_granite(w, cfg)
+    moe.meta_experts(w, cfg)
 
 
-def _meta_qwen3moe(w, cfg):
-    _meta_experts(w, cfg)
-    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False) -> None:
+    """ValueError for a config the arch's llama.cpp graph cannot represent (before any tensor is read).
 
-
-def expert_parts(hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple]] | None:
-    """(HF-style key the GGUF name map knows, shape, index into the tensor) for stacked expert
-    parameters (transformers 5: ``mlp.experts.gate_up_proj`` [E, 2I, H] → gate and up halves as
-    ``ffn_gate_exps`` / ``ffn_up_exps``; ``mlp.experts.down_proj`` [E, H, I] as is); None otherwise.
-    GGUF stores them with the dimensions reversed: [H, I, E] and [I, H, E], llama.cpp's layout."""
-    if hf_name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
-        E, two_i, H = shape
-        prefix, half = hf_name[: -len("gate_up_proj")], two_i // 2
-        return [(prefix + "gate_proj", (E, half, H), (slice(None), slice(0, half))),
-                (prefix + "up_proj", (E, half, H), (slice(None), slice(half, two_i)))]
-    if hf_name.endswith("mlp.experts.down_proj") and len(shape) == 3:
-        return [(hf_name, tuple(shape), ())]
-    return None
+    ggml's YaRN always rounds the correction range outwards (floor/ceil: transformers'
+    ``truncate=True``); a config with ``truncate=False`` (gpt-oss) gets other frequencies on the
+    dimensions inside that range, so it is refused unless ``approximate_yarn`` accepts the difference."""
+    rope = rope_settings(cfg)
+    if str(rope.get("rope_type") or "").lower() == "yarn" and rope.get("truncate") is False:
+        if not approximate_yarn:
+            raise ValueError(
+                "this config's YaRN RoPE has truncate=False, and llama.cpp (ggml) always truncates the YaRN "
+                "correction range: some RoPE frequencies differ (gpt-oss-20b/120b: 9 of 32, by up to 43%), so "
+                "llama.cpp's logits would drift from transformers' as positions grow. llama.cpp's own converter "
+                "writes such files anyway; pass approximate_yarn=True to accept the difference")
+        logger.warning("GGUF: YaRN truncate=False written as llama.cpp's truncated YaRN (approximate_yarn=True): "
+                       "logits differ from transformers' at long positions")
+    moe.check_config(arch, cfg)
 
 
 @dataclass(frozen=True)
@@ -245,7 +231,11 @@ ARCHS: dict[str, ArchSpec] = {
     "granite": ArchSpec("granite", permute_qk=True, metadata=_meta_granite),
     "qwen2": ArchSpec("qwen2"),
     "qwen3": ArchSpec("qwen3"),
-    "qwen3moe": ArchSpec("qwen3moe", metadata=_meta_qwen3moe),
+    "qwen3moe": ArchSpec("qwen3moe", metadata=moe.meta_qwen3moe),
+    "gpt-oss": ArchSpec("gpt-oss", metadata=moe.meta_gpt_oss),
+    "olmoe": ArchSpec("olmoe", output="required", metadata=moe.meta_olmoe),
+    "granitemoe": ArchSpec("granitemoe", permute_qk=True, metadata=_meta_granitemoe),
+    "glm4moe": ArchSpec("glm4moe", metadata=moe.meta_glm4moe),
     "gemma": ArchSpec("gemma", norm_shift=1.0, output="never"),
     "gemma2": ArchSpec("gemma2", norm_shift=1.0, output="never", metadata=_meta_gemma2),
     "gemma3": ArchSpec("gemma3", norm_shift=1.0, metadata=_meta_gemma3),

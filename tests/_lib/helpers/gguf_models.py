@@ -64,11 +64,29 @@ def gguf_model(family: str, **overrides):
 MOE_DIMS = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2,
                 tie_word_embeddings=False)
+GPT_OSS_YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                    original_max_position_embeddings=4096, truncate=False)  # gpt-oss-20b/120b's RoPE
 MOE = {
     "qwen3_moe": ("qwen3moe", dict(num_experts=4, moe_intermediate_size=128, intermediate_size=512,
                                    norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1)),
     "mixtral": ("llama", dict(num_local_experts=4, intermediate_size=128, sliding_window=None)),
+    # gpt-oss's YaRN RoPE, truncated as llama.cpp runs it (its default truncate=False needs approximate_yarn);
+    # a window of 5 so the sliding layers differ within the test prompts
+    "gpt_oss": ("gpt-oss", dict(num_local_experts=4, intermediate_size=128, sliding_window=5,
+                                rope_parameters=dict(GPT_OSS_YARN, truncate=True))),
+    # llama.cpp's olmoe k norm spans the full width: as many kv heads as query heads
+    "olmoe": ("olmoe", dict(num_experts=4, intermediate_size=128, num_key_value_heads=4, norm_topk_prob=False,
+                            pad_token_id=0, eos_token_id=2)),
+    "granitemoe": ("granitemoe", dict(num_local_experts=4, intermediate_size=128, embedding_multiplier=2.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+    # GLM-4.5's shape: a dense first layer, a shared expert, q/k/v biases, q/k norms, half-width RoPE
+    "glm4_moe": ("glm4moe", dict(n_routed_experts=4, moe_intermediate_size=128, intermediate_size=256,
+                                 first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                                 routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                                 use_qk_norm=True)),
 }
+# Where the stacked experts live when it is not ``mlp.experts`` (PEFT's target_parameters).
+EXPERTS_AT = {"granitemoe": "block_sparse_moe.experts"}
 
 
 def gguf_moe_model(family: str, **overrides):
@@ -81,7 +99,16 @@ def gguf_moe_model(family: str, **overrides):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2).add_(1.0) if "norm" in name else p.normal_(0.0, 0.05)
+            if "norm" in name:
+                p.normal_(0.0, 0.2).add_(1.0)
+            elif name.endswith("sinks"):  # gpt-oss: sinks far from 0 weigh in every softmax
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert-choice bias: it must matter
+                b.normal_(0.0, 0.2)
+    at = EXPERTS_AT.get(family, "mlp.experts")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+                      target_parameters=[f"{at}.gate_up_proj", f"{at}.down_proj"])
     return get_peft_model(model, lora).eval()
