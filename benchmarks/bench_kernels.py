@@ -320,7 +320,7 @@ def main(argv=None):
         results["ops"][op] = {"bytes": nbytes, **row}
         del step, fns
         torch.cuda.empty_cache()
-    print(f"\n| op (fwd+bwd, bf16) | MB moved | " + " | ".join(impls) + " |")
+    print("\n| op (fwd+bwd, bf16) | MB moved | " + " | ".join(impls) + " |")
     print("|---|---|" + "---|" * len(impls))
     for op, row in results["ops"].items():
         cells = [f"{row[i]['ms']:.3f} ms / {100 * row[i]['share_of_copy']:.0f}%" if i in row else "—" for i in impls]

@@ -171,7 +171,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts: _Options, count: int, num_items, need):
-        N, V = hidden.shape[0], weight.shape[0]
+        N = hidden.shape[0]
         dev = hidden.device
         rows = None if count == N else (labels != opts.ignore_index).nonzero().squeeze(1)
         y = (labels if rows is None else labels.index_select(0, rows)).contiguous()
