@@ -428,8 +428,10 @@ def test_browser_screenshot_of_a_finished_run_with_downloads_and_an_answer(space
     """A finished run as a user sees it: held-out eval loss, a download link per artifact (each one
     served), and the trained model's answer in the "try it" box. The screenshot is saved (its path
     is printed and recorded as the test's ``screenshot`` property; FASTTUNE_SCREENSHOT_DIR keeps a copy).
-    FASTTUNE_SCREENSHOT_STEPS trains longer (default 12: a quick run, whose answer is mostly noise)."""
+    FASTTUNE_SCREENSHOT_STEPS trains longer at the form's default batch size (default: 12 steps of 16
+    rows, a quick run whose answer is mostly noise; 200 is the form's default run)."""
     steps = int(os.environ.get("FASTTUNE_SCREENSHOT_STEPS", "12"))
+    quick = "FASTTUNE_SCREENSHOT_STEPS" not in os.environ
     pw, ctx = _browser(tmp_path)
     try:
         page = ctx.new_page()
@@ -437,7 +439,8 @@ def test_browser_screenshot_of_a_finished_run_with_downloads_and_an_answer(space
         page.wait_for_function("document.querySelector('#data-msg')?.innerText.includes('prompt, completion')")
         page.locator("#run-name input, #run-name textarea").first.fill("screenshot")
         page.locator("#training-max_steps input").fill(str(steps))
-        page.locator("#training-per_device_train_batch_size input").fill("16")
+        if quick:
+            page.locator("#training-per_device_train_batch_size input").fill("16")
         page.locator("#data-eval_size input").fill("32")
         for kind in ("merged", "gguf"):
             page.locator("#export-artifacts label").filter(has_text=kind).locator("input").check()
@@ -455,7 +458,7 @@ def test_browser_screenshot_of_a_finished_run_with_downloads_and_an_answer(space
         for href in downloads.values():  # each link serves its file
             with urllib.request.urlopen(href, timeout=30) as resp:
                 assert resp.status == 200 and len(resp.read()) > 1000
-        page.locator("#try-prompt textarea, #try-prompt input").first.fill("shift: cab =")
+        page.locator("#try-prompt textarea, #try-prompt input").first.fill("cab =")  # the embedded task's prompt
         page.locator("#try-generate").click()
         page.wait_for_function("(document.querySelector('#try-output textarea')?.value || '').length > 0",
                                timeout=120_000)

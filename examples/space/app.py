@@ -354,7 +354,7 @@ def build_app() -> gr.Blocks:
                 with gr.Group():
                     gr.Markdown("**Try it**: the latest finished run's model answers (greedy)")
                     with gr.Row():
-                        try_prompt = gr.Textbox("", label="Prompt", placeholder="shift: cab =", elem_id="try-prompt",
+                        try_prompt = gr.Textbox("", label="Prompt", placeholder="cab =", elem_id="try-prompt",
                                                 scale=3)
                         try_btn = gr.Button("Generate", elem_id="try-generate", scale=1)
                     try_out = gr.Textbox(label="Answer", interactive=False, elem_id="try-output")
