@@ -3,7 +3,9 @@
 A full disk surfaces in many shapes: ``OSError [Errno 28]`` without a file name (Python's buffered
 writes), ``SafetensorError: ... No space left on device (os error 28)``, torch's zip writer
 ``[enforce fail at inline_container.cc:...] unexpected pos 576 vs 534`` or ``file write failed``
-(no errno, no path), numpy's ``1000000 requested and 0 written``. ``explain`` recognises them
+(no errno, no path), torch's C++ stream ``basic_ios::clear: iostream error`` (which says nothing of
+why: it counts as a full disk only when the file system has no room left), numpy's ``1000000
+requested and 0 written``. ``explain`` recognises them
 (also inside chained exceptions), names the path being written, the free space of its file system
 and about how much the run needs there. An export's own ``ExportWriteError`` already is such a line
 (``export/write_errors.py``, whose errno reading and wording this module shares) and is kept as it is.
@@ -21,6 +23,8 @@ from ..export.write_errors import ExportWriteError, describe, error_code, free_b
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_TEXT = re.compile(r"No space left|os error 28|Disk quota exceeded|requested and \d+ written|"
                         r"inline_container\.cc.*(file write failed|unexpected pos)", re.S)
+_STREAM_FAILED = re.compile(r"basic_ios::clear|iostream error")  # a failed C++ write, cause unsaid
+_NO_ROOM = 1 << 20  # bytes: less than this free, and a write that failed for no stated reason ran out of room
 
 
 class RunIOError(OSError):
@@ -75,8 +79,9 @@ def explain(exc: BaseException, where: str | Path, need_bytes: int | None = None
         return str(named)  # the export already said it in one line, about its final file
     filename = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
     path = Path(filename or where)
-    if is_disk_full(exc):
-        free = free_bytes(path)
+    free = free_bytes(path)
+    no_room = free is not None and free < _NO_ROOM
+    if is_disk_full(exc) or (no_room and any(_STREAM_FAILED.search(str(e)) for e in _chain(exc))):
         room = f"{human(free)} free on {mount_point(path)}" if free is not None else "no free space"
         need = f"; {what or 'the run'} needs about {human(need_bytes)}" if need_bytes else ""
         return f"disk full writing {path}: {room}{need}; free some space there or use a larger disk"

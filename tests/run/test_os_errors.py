@@ -39,6 +39,19 @@ def test_every_shape_of_a_full_disk_is_recognised(exc, tmp_path):
     assert "; a checkpoint needs about 12.3 MB;" in line and "\n" not in line
 
 
+def test_a_failed_cpp_stream_is_a_full_disk_only_when_there_is_no_room(tmp_path, monkeypatch):
+    """torch's C++ writer can fail with only "basic_ios::clear: iostream error" (seen on a real full
+    tmpfs mid-checkpoint): no errno, no path. A full file system makes it the disk-full line; with
+    room left it is not claimed to be one."""
+    from fasttune.run import os_errors
+
+    exc = RuntimeError("basic_ios::clear: iostream error")
+    assert explain(exc, tmp_path / "checkpoint-4") is None  # this file system has room: cause unknown
+    monkeypatch.setattr(os_errors, "free_bytes", lambda path: 4096)
+    line = explain(_chained(RuntimeError("saving failed"), exc), tmp_path / "checkpoint-4", 10_000, "a checkpoint")
+    assert line.startswith(f"disk full writing {tmp_path / 'checkpoint-4'}: 4.1 KB free on ")
+
+
 def test_a_file_name_carried_by_the_error_wins(tmp_path):
     exc = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.bin"))
     assert explain(exc, tmp_path).startswith(f"disk full writing {tmp_path / 'x.bin'}:")
