@@ -49,6 +49,7 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KERNELS_OFF = dict(cross_entropy=False, rms_norm=False, rope=False, mlp=False, lora=False, fused_logprobs=False)
 START_LEN, GRANULARITY, MAX_ATTEMPTS = 16384, 4096, 6
+WARMUP_LEN = 4096  # one untimed attempt per stack first: kernel compilation and autotuning
 
 
 class Deadline:
@@ -127,7 +128,8 @@ def attempt(model, seq: int, vocab: int, pinned=None) -> dict:
         error = "OOM"
     seconds = time.perf_counter() - t0
     out = dict(seq=seq, ok=error is None, seconds=round(seconds, 2),
-               peak_gib=round(torch.cuda.max_memory_allocated() / GIB, 2), error=error)
+               peak_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
+               reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2), error=error)
     if pinned is not None:
         out["pinned_gib"] = round(pinned(seq) / GIB, 2)
     release(model)
@@ -141,6 +143,8 @@ def search(run, cap_s: float, deadline: Deadline, log, start: int = START_LEN) -
     GPU by more than 15% is not run: it counts as a failure marked "predicted OOM".
     """
     attempts, ok, bad, last, stopped = [], 0, None, None, None
+    warm = run(WARMUP_LEN)  # compiles and autotunes the kernels (Triton, torch.compile) outside the timed attempts
+    log(f"    warm-up at {WARMUP_LEN} tokens: {'ok' if warm['ok'] else warm['error']} in {warm['seconds']} s")
     t_leg = time.perf_counter()
     total_gib = torch.cuda.mem_get_info()[1] / GIB
     while sum(a["seconds"] > 0 for a in attempts) < MAX_ATTEMPTS:  # predicted failures cost nothing
@@ -166,6 +170,7 @@ def search(run, cap_s: float, deadline: Deadline, log, start: int = START_LEN) -
             break
         r = run(seq)
         log(f"    {seq:>7} tokens: {'ok' if r['ok'] else r['error']} in {r['seconds']} s, peak {r['peak_gib']} GiB"
+            + (f" allocated, {r['reserved_gib']} GiB reserved" if "reserved_gib" in r else "")
             + (f", pinned {r['pinned_gib']} GiB" if "pinned_gib" in r else ""))
         attempts.append(r)
         if r["ok"]:
@@ -254,11 +259,17 @@ def fasttune_leg(model, args, deadline: Deadline, log) -> dict:
         n, packed_before[0] = stats.packed - packed_before[0], stats.packed
         return n * seq * LLAMA_8B["hidden_size"] * 2
 
+    if args.memory_history:  # every allocation with its stack, for torch's memory_viz (pytorch.org/memory_viz)
+        torch.cuda.memory._record_memory_history(max_entries=300_000)
     try:
         result = search(lambda s: attempt(model, s, LLAMA_8B["vocab_size"], pinned), args.leg_cap, deadline, log,
                         args.start_len)
     except Exception as err:  # a broken stack is a result too
         result = dict(error=f"{type(err).__name__}: {err}")
+    if args.memory_history:
+        torch.cuda.memory._dump_snapshot(args.memory_history)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log(f"  (a) memory history of the fasttune leg in {args.memory_history}")
     unpatch_model(model)
     release(model)
     return result
@@ -400,14 +411,18 @@ def markdown(results: dict) -> str:
     if "a" in results:
         lines += ["### (a) longest batch-1 QLoRA step, Llama-3.1-8B shape, NF4, r=16", "",
                   "| stack | longest ok | first failure | stopped by | s at longest | GPU GiB at longest "
-                  "| GPU GiB / 1k tok | pinned GiB / 1k tok |", "|---|---|---|---|---|---|---|---|"]
+                  "(reserved) | reserved ÷ allocated, every length | GPU GiB / 1k tok | pinned GiB / 1k tok |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, r in results["a"].items():
             if "error" in r:
-                lines.append(f"| {name} | error: {r['error'][:120]} | | | | | | |")
+                lines.append(f"| {name} | error: {r['error'][:120]} | | | | | | | |")
                 continue
             best = max((a for a in r["attempts"] if a["ok"]), key=lambda a: a["seq"], default={})
+            ratios = ", ".join(f"{a['seq'] // 1024}k {a['reserved_gib'] / a['peak_gib']:.2f}"
+                               for a in r["attempts"] if a["ok"] and a.get("peak_gib") and "reserved_gib" in a)
             lines.append(f"| {name} | {r['max_ok']:,} | {r['first_fail'] or '-'} | {r['stopped']} "
-                         f"| {best.get('seconds', '-')} | {best.get('peak_gib', '-')} "
+                         f"| {best.get('seconds', '-')} | {best.get('peak_gib', '-')} ({best.get('reserved_gib', '-')}) "
+                         f"| {ratios or '-'} "
                          f"| {r.get('gpu_gib_per_1k', '-')} | {r.get('pinned_gib_per_1k', '-')} |")
         lines.append("")
     if "bc" in results:
@@ -436,6 +451,10 @@ def main(argv=None) -> None:
                         help="(a): seconds of attempts per stack (Hugging Face: at most 80)")
     parser.add_argument("--start-len", type=int, default=START_LEN, help="(a): first length tried")
     parser.add_argument("--shape", default="4x2048", help="(b)/(c): batch x sequence of the step")
+    parser.add_argument("--gpu-cap-gib", type=float, default=None,
+                        help="(a): cap this process's GPU memory (set_per_process_memory_fraction): a length that "
+                             "trains under a cap below its peak reserved memory shows the reserve is not the limit")
+    parser.add_argument("--memory-history", help="(a): dump the fasttune leg's allocator history (a pickle) here")
     parser.add_argument("--unsloth-worker", help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -450,13 +469,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"--only takes a, b, c; got {args.only!r}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     deadline = Deadline(args.deadline)
+    if args.gpu_cap_gib:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GIB / torch.cuda.mem_get_info()[1]))
     t0 = time.perf_counter()
 
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": args.kernels,
-               "shape": args.shape}
+               "shape": args.shape, "gpu_cap_gib": args.gpu_cap_gib,
+               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}
     if parts & {"b", "c"}:
         results["bc"] = part_bc(args, parts, log)
     if "a" in parts:

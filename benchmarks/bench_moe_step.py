@@ -27,6 +27,7 @@ then a table with the speed-ups over hf and unsloth.
 Usage (H200, repo root, peers' wheels as for bench_step.py):
     python3 benchmarks/bench_moe_step.py --layers 8 --out $OUT/moe.json
     python3 benchmarks/bench_moe_step.py --layers 8 --lora attention --stacks hf,fasttune
+    python3 benchmarks/bench_moe_step.py --layers 8 --stacks fasttune,unsloth --profile fasttune,unsloth
     python3 benchmarks/bench_moe_step.py --smoke     # tiny model on CPU (interpreter) or GPU: checks the script
 """
 
@@ -167,6 +168,10 @@ def worker(stack: str, args) -> None:
             if report is not None:
                 row["calls"] = {f"{op}/{outcome}"[:120]: n for (op, outcome), n in report.calls.items()
                                 if op in ("moe", "lora_moe")}
+            if stack in args.profile:
+                row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", None)
+                for out in row["profile"].splitlines()[:60]:
+                    log("  " + out)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
         except Exception as err:  # noqa: BLE001
@@ -193,7 +198,7 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--stacks", ",".join(args.stacks), "--layers", str(args.layers), "--lora", args.lora,
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
-           "--ckpt-dir", args.ckpt_dir or ""] + (["--smoke"] if args.smoke else [])
+           "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile)] + (["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -249,6 +254,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None, help="where unsloth's checkpoint is written/read ('' to skip)")
     p.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--profile", default="", help="stacks (comma-separated) whose extra step is profiled: "
+                   "top kernels, GEMMs by shape, idle gaps (stored in the JSON row and printed)")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -256,6 +263,7 @@ def parse_args(argv=None):
     args.stacks = sorted((s for s in args.stacks.split(",") if s), key=lambda s: STACKS.index(s)
                          if s in STACKS else p.error(f"unknown stack {s!r}"))
     args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    args.profile = [s for s in args.profile.split(",") if s]
     if args.layers is None:
         args.layers = 2 if args.smoke else 8
     if args.smoke and args.shapes == [(4, 2048)]:

@@ -175,7 +175,8 @@ def prepare(stack: str, config, args, log):
     from peft import LoraConfig, get_peft_model
 
     base = build_model(config)
-    if args.ckpt_dir and "unsloth" in args.all_stacks and stack == "hf":
+    writer = next((s for s in args.all_stacks if s != "unsloth"), None)  # the first stack to run writes it
+    if args.ckpt_dir and "unsloth" in args.all_stacks and stack == writer:
         t0 = time.perf_counter()
         save_checkpoint(base, args.ckpt_dir)
         log(f"    checkpoint for unsloth at {args.ckpt_dir} ({time.perf_counter() - t0:.0f} s)")
@@ -206,7 +207,7 @@ def prepare_unsloth(args):
     from unsloth import FastVisionModel
 
     if not args.ckpt_dir or not os.path.exists(os.path.join(args.ckpt_dir, "config.json")):
-        raise RuntimeError(f"no checkpoint at {args.ckpt_dir} (the hf worker writes it)")
+        raise RuntimeError(f"no checkpoint at {args.ckpt_dir} (the first other stack's worker writes it)")
     model, _ = FastVisionModel.from_pretrained(args.ckpt_dir, dtype=torch.bfloat16, load_in_4bit=False)
     model = FastVisionModel.get_peft_model(model, finetune_vision_layers=False, finetune_language_layers=True,
                                            finetune_attention_modules=True, finetune_mlp_modules=True, r=16,

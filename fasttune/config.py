@@ -82,6 +82,12 @@ class FastConfig:
                 "memory_budget_gb resident, offload the rest)."})
     memory_budget_gb: float | None = field(default=None, metadata={
         "help": "GPU memory 'auto' checkpointing may use for activations; None: free memory minus a margin."})
+    cuda_expandable_segments: bool = field(default=True, metadata={
+        "help": "Switch torch's CUDA caching allocator to expandable segments when a model is patched on a "
+                "machine with CUDA (process-wide, for allocations from then on; undone by unpatch_model): "
+                "checkpointing's working sets change size from layer to layer, and fixed segments let the "
+                "reserve grow to twice what is allocated on long sequences. A PYTORCH_ALLOC_CONF / "
+                "PYTORCH_CUDA_ALLOC_CONF that names expandable_segments is left as the user set it."})
 
     # --- multi-GPU -----------------------------------------------------------------------
     fsdp_reshard_after_forward: bool | None = field(default=None, metadata={

@@ -13,6 +13,7 @@ import logging
 from torch import nn
 
 from ..config import FastConfig
+from .allocator import use_expandable_segments
 from .attention import patch_attention
 from .checkpointing import install_checkpointing
 from .families import FAMILIES, family_for, resolve_classes
@@ -33,7 +34,7 @@ STATE_ATTR = "_fasttune_report"
 
 # The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
 PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora, patch_fp8_bases,
-            patch_residuals, install_checkpointing, patch_vision_tower)
+            patch_residuals, install_checkpointing, patch_vision_tower, use_expandable_segments)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:
