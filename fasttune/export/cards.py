@@ -102,7 +102,7 @@ def card_repos(repo_id: str | None, name: str, kinds) -> tuple[dict[str, str], b
 def headline_gguf(folder: Path) -> Path | None:
     """The GGUF file usage snippets show first (Q8_0, then Q4_K_M, ...), None when there is none."""
     files = sorted(Path(folder).glob("*.gguf"), key=_gguf_rank)
-    files = [f for f in files if not f.name.startswith(".")]
+    files = [f for f in files if not f.name.startswith((".", "mmproj-"))]  # the vision file is never the model
     return files[0] if files else None
 
 
@@ -149,9 +149,12 @@ def write_cards(folders: dict[str, Path], repos: dict[str, str], *, tokenizer=No
                    chat_template=getattr(tokenizer, "chat_template", None), lora=lora, published=published,
                    gguf_quant=_quant_of(headline) if headline else "Q8_0")
         if kind == "gguf":
-            files = sorted((f for f in folder.glob("*.gguf") if not f.name.startswith(".")), key=_gguf_rank)
+            files = sorted((f for f in folder.glob("*.gguf") if not f.name.startswith((".", "mmproj-"))),
+                           key=_gguf_rank)
             ctx["gguf_files"] = [{"file": f.name, "quant": _quant_of(f), "size": _human(f.stat().st_size)}
                                  for f in files]
+            ctx["mmproj_files"] = [{"file": f.name, "size": _human(f.stat().st_size)}
+                                   for f in sorted(folder.glob("mmproj-*.gguf"))]
             if files:
                 ctx["modelfile_gguf"] = files[0].name
                 atomic_write(folder / "Modelfile", render_card("modelfile", **ctx))

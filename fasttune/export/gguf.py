@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import gguf_arch, gguf_moe_arch
+from . import gguf_arch, gguf_mmproj, gguf_moe_arch
 from .atomic import atomic_path, fsync_dir
 from .gguf_tokenizer import GGUFVocab, gguf_vocab, write_vocab
 from .merged_weights import WeightEntry, checkpoint_weights, model_weights, unwrap_model
@@ -111,13 +111,18 @@ def _source(model_or_dir, tokenizer):
     return cfg, model_weights(model_or_dir)[0], tokenizer, name
 
 
-def _arch_for(cfg_dict: dict[str, Any]) -> str:
+def _family(cfg_dict: dict[str, Any]):
     from fasttune.model_patches.families import FAMILIES, family_for
 
     spec = family_for(cfg_dict.get("model_type"))
     if spec is None:
         raise ValueError(f"GGUF export: model_type {cfg_dict.get('model_type')!r} is not one of {sorted(FAMILIES)}")
-    if spec.vision is not None:
+    return spec
+
+
+def _arch_for(cfg_dict: dict[str, Any]) -> str:
+    spec = _family(cfg_dict)
+    if spec.vision is not None and spec.vision.mmproj_type not in gguf_mmproj.SUPPORTED:
         raise ValueError(
             f"GGUF export of the vision-language model {spec.model_type!r} is not supported yet: llama.cpp needs the "
             f"language model (the tensors under `{spec.vision.language_model}`) as its {spec.gguf_arch!r} "
@@ -276,8 +281,8 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
     Args:
         model_or_dir: a (PEFT LoRA or plain) causal LM, merged on the fly without modifying it, or
             a folder written by ``save_merged``/``save_pretrained``.
-        tokenizer: the model's tokenizer (a fast/tokenizers-backed one); for a folder, None loads it
-            from there.
+        tokenizer: the model's tokenizer (a fast/tokenizers-backed one), or a VLM's processor (its
+            image mean/std go into the mmproj file); for a folder, None loads it from there.
         out_dir: destination folder (created).
         quantizations: any of "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1" (Python)
             and "q2_k" … "q6_k" (need llama-cpp-python: ``pip install 'fasttune[gguf-kquants]'``).
@@ -287,17 +292,29 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
             only run truncated: an approximation, logits drift from transformers' at long positions.
 
     Returns:
-        The written paths, ``<out_dir>/<name>-<QUANT>.gguf``, in the order requested.
+        The written paths, ``<out_dir>/<name>-<QUANT>.gguf``, in the order requested; for a
+        vision-language model (Qwen2-VL, Qwen2.5-VL, Gemma 3) these hold its language model, and
+        ``<out_dir>/mmproj-<name>-F16.gguf`` (F32 when "f32" is requested) follows: the vision tower
+        and projector, which llama.cpp loads beside any of them (``gguf_mmproj.py``).
 
     Raises:
         ValueError: a quantisation type, model type or tokenizer that GGUF/llama.cpp cannot express
             (checked before anything is written; the message says why).
     """
     quants = _check_quants(quantizations)
+    processor = tokenizer if hasattr(tokenizer, "image_processor") else None
+    tokenizer = getattr(processor, "tokenizer", tokenizer)
     config, entries, tokenizer, default_name = _source(model_or_dir, tokenizer)
     cfg = config.to_dict()
     cfg.setdefault("model_type", getattr(config, "model_type", None))
     arch = _arch_for(cfg)
+    vision, split = _family(cfg).vision, None
+    if vision is not None:  # a VLM: its language model as a text model, the vision side as an mmproj file
+        split = gguf_mmproj.split_vlm(vision, cfg, entries)
+        cfg, entries = split.text_cfg, split.text_entries
+        gguf_mmproj.mmproj_tensors(split, vision)  # a vision tensor llama.cpp has no name for stops here
+        folder = model_or_dir if isinstance(model_or_dir, (str, os.PathLike)) else None
+        image_norm = gguf_mmproj.image_norm(processor, split.projector, folder)
     vocab = gguf_vocab(tokenizer, cfg["vocab_size"])  # a tokenizer llama.cpp cannot reproduce stops here
     name = name or default_name
     out_dir = Path(out_dir)
@@ -340,6 +357,13 @@ def save_gguf(model_or_dir, tokenizer, out_dir: str | Path, quantizations: Seque
             if scratch is not None:
                 scratch.unlink(missing_ok=True)
             fsync_dir(out_dir)
-    logger.info("wrote %s", ", ".join(str(written[q]) for q in quants))
-    return [written[q] for q in quants]
+    paths = [written[q] for q in quants]
+    if split is not None:
+        mm_quant = gguf_mmproj.mmproj_quant(quants)
+        final = out_dir / gguf_mmproj.mmproj_filename(name, mm_quant)
+        with naming_write_errors(final), atomic_path(final) as tmp:
+            gguf_mmproj.write_mmproj(tmp, split, vision, mm_quant, name, *image_norm)
+        paths.append(final)
+    logger.info("wrote %s", ", ".join(str(p) for p in paths))
+    return paths
 

@@ -98,7 +98,7 @@ def _rope_scaling(w, cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> No
     import gguf
 
     kind = str(rope.get("rope_type") or "default").lower()
-    if kind == "default":
+    if kind == "default" or (kind == "mrope" and arch == "qwen2vl"):  # older Qwen2-VL configs name it "mrope"
         return
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -173,6 +173,18 @@ def _meta_olmo2(w, cfg):
             w.add_sliding_window_pattern(pattern)
 
 
+def _meta_qwen2vl(w, cfg):
+    """Qwen2-VL's 3-D RoPE: the frequency pairs split into temporal/height/width sections (llama.cpp
+    takes four, the last one 0); text-only positions rotate every section alike, as Qwen2 does."""
+    sections = list(rope_settings(cfg).get("mrope_section") or [])
+    if not sections or len(sections) > 4 or sum(sections) != head_dim(cfg) // 2:
+        raise ValueError(f"qwen2vl GGUF needs rope mrope_section (at most 4 parts summing to head_dim/2="
+                         f"{head_dim(cfg) // 2}), got {sections or None}")
+    if rope_settings(cfg).get("mrope_interleaved"):
+        raise ValueError("qwen2vl GGUF: an interleaved mrope_section (Qwen3-VL's layout) is not llama.cpp's qwen2vl")
+    w.add_rope_dimension_sections([int(s) for s in sections] + [0] * (4 - len(sections)))
+
+
 def _meta_none(w, cfg):
     return None
 
@@ -231,6 +243,7 @@ ARCHS: dict[str, ArchSpec] = {
     "granite": ArchSpec("granite", permute_qk=True, metadata=_meta_granite),
     "qwen2": ArchSpec("qwen2"),
     "qwen3": ArchSpec("qwen3"),
+    "qwen2vl": ArchSpec("qwen2vl", metadata=_meta_qwen2vl),  # the language tower of Qwen2-VL / 2.5-VL
     "qwen3moe": ArchSpec("qwen3moe", metadata=moe.meta_qwen3moe),
     "gpt-oss": ArchSpec("gpt-oss", metadata=moe.meta_gpt_oss),
     "olmoe": ArchSpec("olmoe", output="required", metadata=moe.meta_olmoe),

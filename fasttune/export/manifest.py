@@ -90,6 +90,6 @@ def gguf_quants(folder: str | Path, source: str | None) -> dict[str, Path]:
     out = {}
     for name in read_manifest(folder)["files"]:
         match = _GGUF_NAME.match(name)
-        if match:
+        if match and not name.startswith("mmproj-"):  # a VLM's vision file rides along with every type
             out[match.group("quant").lower()] = folder / name
     return out

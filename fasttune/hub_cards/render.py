@@ -118,6 +118,7 @@ def render_card(kind: str, **context: Any) -> str:
         "final_loss", "tokens_per_second", "peak_memory_gib", "train_runtime"}. loss_curve: image
         file name in the repo, or None; loss_curve_note: why there is none. fast_config:
         FastConfig.to_dict() (a table, secrets dropped). gguf_files: [{"file", "quant", "size"}];
+        mmproj_files: [{"file", "size"}], a vision-language model's vision tower + projector;
         gguf_quant: the GGUF type usage snippets name. chat_template: the tokenizer's Jinja
         template. modelfile_gguf: GGUF file the Modelfile points at. model_name: display name.
 
@@ -130,7 +131,7 @@ def render_card(kind: str, **context: Any) -> str:
         raise ValueError("repo_id is required")
     ctx: dict[str, Any] = {
         "endpoint": "https://huggingface.co", "repos": {}, "base_model_id": None, "datasets": [],
-        "stats": {}, "loss_curve": None, "loss_curve_note": None, "fast_config": None, "gguf_files": [],
+        "stats": {}, "loss_curve": None, "loss_curve_note": None, "fast_config": None, "gguf_files": [], "mmproj_files": [],
         "chat_template": None, "modelfile_gguf": None, "model_name": None, "extra_tags": [], "published": True,
         "base_note": None, "license": "unknown — check the base model's license", "license_meta": {},
         "dataset_note": None, "method": None, "hyperparameters": [], "evaluation": [], "gguf_quant": "Q8_0",

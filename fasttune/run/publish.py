@@ -78,7 +78,8 @@ def _missing(folder: RunFolder, cfg, wanted, gguf_quantizations, source) -> tupl
         if quants:
             missing.append("gguf")
         if have:
-            stem = next(iter(read_manifest(folder.path / "gguf")["files"])).rsplit("-", 1)[0]
+            stem = next(f for f in read_manifest(folder.path / "gguf")["files"]
+                        if not f.startswith("mmproj-")).rsplit("-", 1)[0]
     return missing, quants, stem
 
 

@@ -1,5 +1,6 @@
 """Export of vision-language models: the adapter and the merged 16-bit model reload in stock
-transformers as the same class (with the processor), and GGUF is refused, naming what is missing.
+transformers as the same class (with the processor); GGUF is the language model plus an mmproj file,
+or a refusal naming what llama.cpp lacks.
 
 LoRA on both towers (``finetune_vision_layers=True``) with random B, so the merge changes vision and
 language weights alike. Merged in fp32 and saved in float32: logits of the reloaded model match the
@@ -75,10 +76,17 @@ def test_gemma3_merged_reloads_with_its_processor(tmp_path):
     assert rel_err(got, want) <= 1e-2  # saved in bf16: one bf16 rounding of every weight
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
-def test_gguf_is_refused_naming_what_is_missing(model_type, tmp_path):
-    model = _trained(model_type)
-    with pytest.raises(ValueError, match="mmproj") as err:
+def test_gguf_writes_the_language_model_and_its_mmproj(tmp_path):
+    """The LoRA-trained VLM's GGUF is two files (tests/export/test_gguf_mmproj.py runs them in llama.cpp)."""
+    from helpers.gguf_models import gguf_tokenizer
+
+    model = _trained("gemma3")
+    paths = save_gguf(model, gguf_tokenizer("sp"), tmp_path / "gguf", "q8_0", name="vlm")
+    assert [p.name for p in paths] == ["vlm-Q8_0.gguf", "mmproj-vlm-F16.gguf"]
+
+
+def test_gguf_a_config_llama_cpp_cannot_run_is_refused_naming_it(tmp_path):
+    model = _trained("qwen2_5_vl")  # window_size 56: llama.cpp's Qwen2.5-VL windows are 112 pixels
+    with pytest.raises(ValueError, match="mmproj GGUF.*window_size 112"):
         save_gguf(model, object(), tmp_path / "gguf")
-    assert "language_model" in str(err.value) and "convert_hf_to_gguf" in str(err.value)
-    assert not any((tmp_path / "gguf").glob("*.gguf")) if (tmp_path / "gguf").exists() else True
+    assert not (tmp_path / "gguf").exists()
