@@ -60,9 +60,12 @@ def export_artifacts(model, tokenizer, root: str | Path, artifacts: Sequence[str
     if bad:
         raise ValueError(f"artifacts: {bad} not in {ARTIFACTS}")
     root = Path(root)
-    n_vocab = getattr(unwrap_model(model).config, "vocab_size", None)
+    config = unwrap_model(model).config
+    n_vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
     if "gguf" in artifacts and tokenizer is not None and n_vocab:
-        gguf_vocab(tokenizer, n_vocab)  # a tokenizer GGUF cannot hold is refused before anything is written
+        # a tokenizer GGUF cannot hold is refused before anything is written (a VLM's processor: its tokenizer)
+        gguf_vocab(getattr(tokenizer, "tokenizer", tokenizer) if hasattr(tokenizer, "image_processor") else tokenizer,
+                   n_vocab)
     out: dict[str, Path] = {}
     with export_lock(root):
         remove_stranded(root)

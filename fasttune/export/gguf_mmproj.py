@@ -73,10 +73,29 @@ class VisionSplit:
     mm_tokens_per_image: int | None = None
 
 
+# The Hub's original checkpoints, and transformers 5's own save_pretrained, use the older key layout
+# (transformers maps it on load), so a folder read directly is mapped the same way here.
+_LEGACY = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+           ("vision_tower.vision_model.", "model.vision_tower."), ("vision_tower.", "model.vision_tower."),
+           ("multi_modal_projector.", "model.multi_modal_projector."), ("visual.", "model.visual."))
+_CURRENT = ("model.language_model.", "model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def current_name(name: str) -> str:
+    """A VLM checkpoint key in transformers 5's layout (``model.language_model.*``, ``model.visual.*``, ...)."""
+    for old, new in _LEGACY:
+        if name.startswith(old):
+            return new + name[len(old):]
+    if name.startswith("model.") and not name.startswith(_CURRENT):  # Qwen2-VL's language model at model.*
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
 def split_vlm(vision, cfg: dict[str, Any], entries: list[WeightEntry]) -> VisionSplit:
     """``vision``: the family's ``VisionLayout``. Language tensors are renamed to a text model's
     (``model.language_model.x`` → ``model.x``); ValueError for a tensor of neither tower."""
     lang, tower, proj = vision.language_model + ".", vision.vision_tower + ".", vision.projector + "."
+    entries = [WeightEntry(current_name(e.name), e.shape, e.load) for e in entries]
     text_cfg = dict(cfg.get("text_config") or {})
     if not text_cfg:
         raise ValueError(f"GGUF export of {cfg.get('model_type')!r}: the config has no text_config")

@@ -49,3 +49,17 @@ def test_cards_name_placeholders_until_the_repo_is_known_and_record_what_they_na
     real = {"merged": "me/run", "gguf": "me/run-GGUF"}
     write_cards(folders, real, facts=facts, endpoint="https://hf.example")
     assert cards_match(folders, real) and not cards_match(folders, {"merged": "me/other", "gguf": "me/other-GGUF"})
+
+
+def test_gguf_card_lists_a_vlm_mmproj_apart_from_the_model_files(tmp_path):
+    from fasttune.export.cards import headline_gguf, write_cards
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    for name in ("vlm-Q8_0.gguf", "mmproj-vlm-F16.gguf"):
+        (folder / name).write_bytes(b"x")
+    assert headline_gguf(folder).name == "vlm-Q8_0.gguf"
+    write_cards({"gguf": folder}, {"gguf": "me/vlm-GGUF"}, endpoint="https://hf.example")
+    card = (folder / "README.md").read_text()
+    assert "| vision tower + projector (mmproj) |" in card and "--mmproj mmproj-vlm-F16.gguf" in card
+    assert (folder / "Modelfile").read_text().count("FROM ./vlm-Q8_0.gguf") == 1

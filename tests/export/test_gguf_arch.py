@@ -63,3 +63,19 @@ def test_rope_settings_read_v5_and_v4_configs():
 def test_head_dim_prefers_the_explicit_value():
     assert head_dim({"head_dim": 24, "hidden_size": 96, "num_attention_heads": 2}) == 24
     assert head_dim({"hidden_size": 96, "num_attention_heads": 4}) == 24
+
+
+def test_qwen2vl_writes_its_rope_sections_and_refuses_others():
+    import gguf
+
+    from fasttune.export.gguf_arch import write_arch_metadata
+
+    cfg = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=200,
+               vocab_size=512, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                   "mrope_section": [4, 4, 4]})
+    w = gguf.GGUFWriter(path=None, arch="qwen2vl")
+    write_arch_metadata(w, cfg, "qwen2vl")
+    assert w.kv_data[0]["qwen2vl.rope.dimension_sections"].value == [4, 4, 4, 0]
+    cfg["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 1e4, "mrope_section": [4, 4, 2]}  # sums to 10, not 12
+    with pytest.raises(ValueError, match="mrope_section"):
+        write_arch_metadata(gguf.GGUFWriter(path=None, arch="qwen2vl"), cfg, "qwen2vl")

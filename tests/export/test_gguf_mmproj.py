@@ -129,6 +129,24 @@ def test_language_model_and_mmproj_run_in_llama_cpp(model_type, quants, tmp_path
             assert eps0_err <= QWEN_EPS0_F32_TOL, eps0_err
 
 
+def test_export_artifacts_of_a_vlm_from_its_merged_folder(tmp_path):
+    """The run/CLI path: merged 16-bit folder first, GGUF from it; the manifest lists the mmproj file
+    and a later push does not read it as an F16 language model."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from fasttune.export.artifacts import export_artifacts
+    from fasttune.export.manifest import gguf_quants, read_manifest
+    from helpers.mtmd_run import mtmd_image_embeddings
+
+    model = _model("gemma3")
+    out = export_artifacts(model, gguf_tokenizer("sp"), tmp_path, ["merged", "gguf"], name="vlm",
+                           gguf_quantizations=["f32"], merged_dtype="float32", source="src")
+    assert set(read_manifest(out["gguf"])["files"]) == {"vlm-F32.gguf", "mmproj-vlm-F32.gguf"}
+    assert set(gguf_quants(out["gguf"], "src")) == {"f32"}
+    rgb = np.random.default_rng(1).integers(0, 256, (*IMAGE_HW["gemma3"], 3), dtype=np.uint8)
+    got = mtmd_image_embeddings(out["gguf"] / "vlm-F32.gguf", out["gguf"] / "mmproj-vlm-F32.gguf", rgb)
+    assert _rel(got, _hf_image_features(model, "gemma3", rgb)) <= EMBD_TOL["f32"]
+
+
 def test_qwen2_5_vl_window_attention_matters_for_the_test_image():
     """The test image spans two 112-pixel windows: full attention in every block gives other features,
     so a wrong window layout in the mmproj file could not pass the comparison above."""
@@ -152,6 +170,39 @@ def test_what_llama_cpp_cannot_run_is_refused_before_writing(model_type, vision,
         save_gguf(model, gguf_tokenizer("bpe"), tmp_path / "gguf", "f16")
     assert needs in str(err.value)
     assert not (tmp_path / "gguf").exists() or not any((tmp_path / "gguf").iterdir())
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "gemma3"])
+def test_a_checkpoint_in_the_older_key_layout_gives_the_same_files(model_type, tmp_path):
+    """save_merged writes transformers 5's keys (model.language_model.*, model.visual.*); save_pretrained
+    and the Hub's originals the older ones (model.layers.* + visual.*; language_model.model.* +
+    vision_tower[.vision_model].*): a folder of either exports the same tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from fasttune import save_merged
+
+    model = tiny_vlm(model_type, vision=VISION.get(model_type))
+    save_merged(model, tmp_path / "new", dtype="float32")
+    model.save_pretrained(tmp_path / "old")
+    keys = {"new": set(load_file(tmp_path / "new" / "model.safetensors")),
+            "old": set(load_file(tmp_path / "old" / "model.safetensors"))}
+    assert any(k.startswith(("visual.", "language_model.")) for k in keys["old"]) and keys["old"] != keys["new"]
+    folders = ["new", "old"]
+    if model_type == "gemma3":  # the Hub's Gemma 3 keeps SigLIP's vision_model level too
+        (tmp_path / "hub").mkdir()
+        for f in (tmp_path / "old").iterdir():
+            (tmp_path / "hub" / f.name).write_bytes(f.read_bytes())
+        tensors = {k.replace("vision_tower.", "vision_tower.vision_model."): v
+                   for k, v in load_file(tmp_path / "old" / "model.safetensors").items()}
+        save_file(tensors, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+        folders.append("hub")
+    tok = gguf_tokenizer("sp" if model_type == "gemma3" else "bpe")
+    files = {kind: save_gguf(tmp_path / kind, tok, tmp_path / f"gguf-{kind}", "f16", name="m") for kind in folders}
+    for kind in folders[1:]:
+        for new, old in zip(files["new"], files[kind]):
+            a, b = gguf.GGUFReader(new).tensors, gguf.GGUFReader(old).tensors
+            assert [t.name for t in a] == [t.name for t in b]
+            assert all(np.array_equal(x.data, y.data) for x, y in zip(a, b)), (kind, new.name)
 
 
 def test_gemma3_pool_needs_square_token_grid():

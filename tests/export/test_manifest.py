@@ -51,3 +51,11 @@ def test_reuse_needs_the_same_source_and_untouched_files(tmp_path):
     assert not reusable(tmp_path, "gguf", "src1")
     (tmp_path / MANIFEST).write_text("not json")
     assert read_manifest(tmp_path) is None and not reusable(tmp_path, "gguf", "src1")
+
+
+def test_a_vlm_mmproj_file_is_not_a_quant_type(tmp_path):
+    """``mmproj-run-F16.gguf`` rides along with the language-model files: it must not read as an F16 one."""
+    for name in ("run-Q8_0.gguf", "mmproj-run-F16.gguf"):
+        (tmp_path / name).write_bytes(b"gguf")
+    write_manifest(tmp_path, "gguf", "src1", ["run-Q8_0.gguf", "mmproj-run-F16.gguf"])
+    assert gguf_quants(tmp_path, "src1") == {"q8_0": tmp_path / "run-Q8_0.gguf"}
