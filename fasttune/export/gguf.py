@@ -15,7 +15,8 @@ Files are streamed: every tensor is computed (LoRA merged, arch transform applie
 written for all requested types before the next one is read, and each file is written under a
 temporary name and renamed when complete. Arch-specific knowledge lives in ``gguf_arch.py``, the
 vocabulary in ``gguf_tokenizer.py``; a tokenizer llama.cpp could not reproduce is refused before any
-file is opened.
+file is opened. A vision-language model's language model is written as its text arch, and its vision
+tower and projector as a separate ``mmproj-*.gguf`` (``gguf_mmproj.py``).
 """
 
 from __future__ import annotations
