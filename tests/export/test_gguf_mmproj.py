@@ -290,3 +290,16 @@ def test_a_family_without_mmproj_rules_keeps_the_refusal(monkeypatch):
         gguf_export._arch_for({"model_type": "gemma3"})
     assert "model.language_model" in str(err.value) and "convert_hf_to_gguf.py" in str(err.value)
     assert gguf_export._arch_for({"model_type": "qwen2_vl"}) == "qwen2vl"
+
+
+def test_the_processor_given_sets_the_image_normalisation(tmp_path):
+    from helpers.tiny_vlms import vlm_processor
+
+    processor = vlm_processor("gemma3")
+    processor.image_processor.image_mean, processor.image_processor.image_std = [0.25, 0.5, 0.75], [0.5, 0.25, 0.125]
+    paths = save_gguf(_model("gemma3"), processor, tmp_path, "q8_0", name="vlm")
+    fields = gguf.GGUFReader(paths[-1]).fields
+    assert fields["clip.vision.image_mean"].contents() == [0.25, 0.5, 0.75]
+    assert fields["clip.vision.image_std"].contents() == [0.5, 0.25, 0.125]
+    assert gguf.GGUFReader(paths[0]).fields["tokenizer.ggml.tokens"].contents()[:3] == \
+        processor.tokenizer.convert_ids_to_tokens([0, 1, 2])
