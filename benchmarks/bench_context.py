@@ -132,7 +132,37 @@ def attempt(model, seq: int, vocab: int, pinned=None) -> dict:
                reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2), error=error)
     if pinned is not None:
         out["pinned_gib"] = round(pinned(seq) / GIB, 2)
+    if SEGMENTS[0]:
+        out["segments"] = segment_summary()
     release(model)
+    return out
+
+
+SEGMENTS = [False]  # --segments: summarise the allocator's segments after each attempt
+
+
+def segment_summary() -> dict:
+    """The allocator's mapped memory after a step, per stream: reserved, in use, free, the largest free range,
+    and free bytes by range size (where a reserve larger than the allocation sits)."""
+    out: dict = {}
+    for seg in torch.cuda.memory_snapshot():
+        row = out.setdefault(f"stream {seg['stream']:#x}" + (" (expandable)" if seg.get("is_expandable") else ""),
+                             dict(segments=0, reserved_gib=0.0, active_gib=0.0, free_gib=0.0, largest_free_mib=0.0,
+                                  free_by_size_gib={}))
+        row["segments"] += 1
+        row["reserved_gib"] += seg["total_size"] / GIB
+        row["active_gib"] += seg["active_size"] / GIB
+        for block in seg["blocks"]:
+            if block["state"] != "inactive":
+                continue
+            row["free_gib"] += block["size"] / GIB
+            row["largest_free_mib"] = max(row["largest_free_mib"], block["size"] / 2 ** 20)
+            bucket = next(f"<{b} MiB" for b in (2, 32, 256, 1024, 4096, 1 << 40) if block["size"] < b << 20)
+            row["free_by_size_gib"][bucket] = row["free_by_size_gib"].get(bucket, 0.0) + block["size"] / GIB
+    for row in out.values():
+        for k in ("reserved_gib", "active_gib", "free_gib", "largest_free_mib"):
+            row[k] = round(row[k], 2)
+        row["free_by_size_gib"] = {k: round(v, 2) for k, v in row["free_by_size_gib"].items()}
     return out
 
 
@@ -169,6 +199,8 @@ def search(run, cap_s: float, deadline: Deadline, log, start: int = START_LEN) -
             stopped = f"time cap: {seq} tokens predicted {predicted:.0f} s, {max(left, 0):.0f} s left"
             break
         r = run(seq)
+        for name, seg in r.get("segments", {}).items():
+            log(f"      {name}: {seg}")
         log(f"    {seq:>7} tokens: {'ok' if r['ok'] else r['error']} in {r['seconds']} s, peak {r['peak_gib']} GiB"
             + (f" allocated, {r['reserved_gib']} GiB reserved" if "reserved_gib" in r else "")
             + (f", pinned {r['pinned_gib']} GiB" if "pinned_gib" in r else ""))
@@ -454,6 +486,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-cap-gib", type=float, default=None,
                         help="(a): cap this process's GPU memory (set_per_process_memory_fraction): a length that "
                              "trains under a cap below its peak reserved memory shows the reserve is not the limit")
+    parser.add_argument("--segments", action="store_true",
+                        help="(a): after each attempt, the allocator's segments per stream (reserved, in use, free ranges)")
     parser.add_argument("--memory-history", help="(a): dump the fasttune leg's allocator history (a pickle) here")
     parser.add_argument("--unsloth-worker", help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -469,6 +503,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--only takes a, b, c; got {args.only!r}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     deadline = Deadline(args.deadline)
+    SEGMENTS[0] = args.segments
     if args.gpu_cap_gib:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GIB / torch.cuda.mem_get_info()[1]))
     t0 = time.perf_counter()

@@ -14,6 +14,9 @@
 #   multi     torchrun over every GPU: bench_multi_gpu.py (a lane of its own;
 #             MULTI_ARGS="--modes 1gpu,ddp,fsdp2,fsdp2-prefetch2,zero3" for every phase) MULTI_S=300
 #   context   bench_context.py --only a (fasttune and HF, batch 1 QLoRA)        CONTEXT_S=300
+#   reserve   bench_context.py --only a at 131,072 tokens under a GPU memory cap (RESERVE_CAP_GIB=30) between
+#             the step's peak allocated and peak reserved memory: with the patch's expandable segments, then
+#             with fixed segments (does the reserve, not the allocation, decide what fits?)  RESERVE_S=110 each
 #   gemm      bench_gemm.py: one 8B layer's matrix products, and regroupings     GEMM_S=60
 #   vlm       bench_vlm.py: Qwen2.5-VL-7B shape with images, hf / fasttune / unsloth (VLM_ARGS) VLM_S=560
 #   launch    accelerate launch examples/multi_gpu/train.py over every GPU with ddp.yaml,
@@ -51,6 +54,13 @@ job() {  # job NAME GPU
                 ${MULTI_ARGS:-} ;;
         context) env $env timeout "${CONTEXT_S:-300}" python3 benchmarks/bench_context.py --only a \
                 --stacks fasttune,hf --deadline $(( ${CONTEXT_S:-300} - 20 )) --out "$out/context.json" ;;
+        reserve) for conf in "" "expandable_segments:False"; do  # the product's switch, then fixed segments
+                    echo "=== PYTORCH_CUDA_ALLOC_CONF=${conf:-unset} (cap ${RESERVE_CAP_GIB:-30} GiB)"
+                    env $env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} timeout "${RESERVE_S:-110}" python3 \
+                        benchmarks/bench_context.py --only a --stacks fasttune --start-len 131072 --leg-cap 90 \
+                        --deadline $(( ${RESERVE_S:-110} - 10 )) --gpu-cap-gib "${RESERVE_CAP_GIB:-30}" --segments \
+                        --out "$out/reserve_${conf:-expandable}.json" | grep -E "tokens|stream|OOM|Error"
+                done ;;
         gemm) env $env timeout "${GEMM_S:-60}" python3 benchmarks/bench_gemm.py --out "$out/gemm.json" ;;
         vlm) env $env timeout "${VLM_S:-560}" python3 benchmarks/bench_vlm.py --stack-timeout-s 240 \
                 --steps 3 --warmup 1 --out "$out/vlm.json" ${VLM_ARGS:-} ;;
