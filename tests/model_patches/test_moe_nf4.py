@@ -1,0 +1,210 @@
+"""QLoRA MoE models with NF4 experts (``FastConfig.moe_experts_nf4``, model_patches/moe_nf4.py).
+
+A tiny MoE model (hidden 128: bitsandbytes' CPU NF4 wants multiples of 64, NOTES §4) is saved and
+loaded with ``BitsAndBytesConfig(load_in_4bit=True)``: attention becomes ``Linear4bit``, the
+stacked 3-D experts stay dense until ``patch_model`` quantises them with bitsandbytes'
+``quantize_4bit``. The oracle is the stock model (same PEFT wrappers, same ``Linear4bit`` layers)
+whose expert parameters hold the *dequantised* NF4 values (bitsandbytes' own ``dequantize_4bit``):
+the same function exactly, so fp32 loss ≤ 1e-6 relative and every trainable gradient ≤ 1e-5.
+Counted calls (the report's ``calls``) show the grouped path ran on NF4 weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from fasttune import FastConfig, patch_model, unpatch_model
+from fasttune.kernels.nf4_weight import NF4Weight
+from fasttune.model_patches.report import FUSED
+from helpers.compare import assert_grads_close, rel_err
+from helpers.tiny_models import make_batch, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# one MoE layer each (qwen3_moe's second layer is dense); hidden 128 for bitsandbytes' CPU path
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=128, head_dim=32),
+    "gpt_oss": dict(hidden_size=128, head_dim=32, num_hidden_layers=1, layer_types=["sliding_attention"]),
+    "mixtral": dict(hidden_size=128, head_dim=32, num_hidden_layers=1),
+}
+BLOCKS = {"qwen3_moe": 1, "gpt_oss": 1, "mixtral": 1}
+
+
+def load_4bit(model_type: str, path, device, double_quant=False, seed=8, quant_type="nf4"):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model(model_type, seed=seed, **SHAPES[model_type]).save_pretrained(path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=torch.float32,
+                               bnb_4bit_use_double_quant=double_quant)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32,
+                                                attn_implementation="eager", device_map=device)
+
+
+def nf4_weights(model) -> dict[str, NF4Weight]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, NF4Weight)}
+
+
+def dequantised_stock(stock, fast) -> None:
+    """Give the stock model's expert parameters the values the fast model's NF4 experts hold: its
+    own dense weights through bitsandbytes' ``quantize_4bit`` and ``dequantize_4bit`` (the fast
+    model was a copy of it), after checking that the fast model holds those very codes."""
+    import bitsandbytes.functional as bnb_f
+
+    held = nf4_weights(fast)
+    assert held
+    for name, w in held.items():
+        dense = stock.get_parameter(name)
+        packed, state = bnb_f.quantize_4bit(dense.detach(), blocksize=w.blocksize, compress_statistics=w.nested,
+                                            quant_type="nf4")
+        assert torch.equal(packed.reshape(-1), w.packed)
+        flat = copy.copy(state)
+        flat.shape = torch.Size([math.prod(state.shape)])  # bitsandbytes' CPU path wants 2-D at most
+        with torch.no_grad():
+            dense.copy_(bnb_f.dequantize_4bit(packed, flat).reshape(state.shape))
+        assert torch.equal(dense, w.dequantize())
+
+
+def moe_fallbacks(report) -> list:
+    """Fallbacks of the MoE ops (the dense layer's 4-bit MLP without LoRA falls back on its own)."""
+    return [f for f in report.fallbacks if f.op.startswith("moe") or f.op == "lora_moe"]
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out
+
+
+def _compare(stock, fast, seed, device, seq=13):
+    batch = make_batch(stock.config.vocab_size, seq=seq, seed=seed, device=device)
+    stock.train(), fast.train()
+    out_fast, out_stock = _step(fast, batch), _step(stock, batch)
+    assert rel_err(out_fast.loss, out_stock.loss) <= 1e-6
+    assert_grads_close(fast, stock, 1e-5)
+
+
+def _experts_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if ".experts." in n and "lora_" not in n and "bias" not in n)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_lora_on_experts_and_attention_with_nf4_experts(model_type, double_quant, device, tmp_path):
+    base = load_4bit(model_type, tmp_path, device, double_quant=double_quant)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, target_parameters=EXPERT_PARAMS,
+                        init_lora_weights=False)
+    stock = get_peft_model(base, config)
+    fast = copy.deepcopy(stock)
+    dense_bytes = _experts_bytes(fast)
+    report = patch_model(fast, FastConfig())
+    blocks = BLOCKS[model_type]
+    assert report.patched["moe_nf4"] == blocks and report.patched["lora_moe"] == blocks, str(report)
+    assert moe_fallbacks(report) == [], str(report)
+    held = nf4_weights(fast)
+    assert len(held) == 2 * blocks and all(w.nested == double_quant and w.blocksize == 64 for w in held.values())
+    # The dense expert weights are gone; NF4 holds them in ~1/7 of fp32's bytes (4 bits + the scales).
+    assert not [n for n, _ in fast.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert _experts_bytes(fast) == sum(w.bytes_held() for w in held.values())
+    assert _experts_bytes(fast) <= 0.15 * dense_bytes
+    dequantised_stock(stock, fast)
+    _compare(stock, fast, seed=18, device=device)
+    assert report.calls["moe_nf4", FUSED] == blocks and report.calls["lora_moe", FUSED] == blocks
+    trainable = [n for n, p in fast.named_parameters() if p.requires_grad]
+    assert sum("experts" in n for n in trainable) == 4 * blocks and all(p.grad is not None for n, p in
+                                                                        fast.named_parameters() if p.requires_grad)
+
+
+def test_lora_on_attention_only_with_frozen_nf4_experts(device, tmp_path):
+    base = load_4bit("qwen3_moe", tmp_path, device)
+    stock = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig())
+    assert report.patched["moe_nf4"] == 1 and "lora_moe" not in report.patched and moe_fallbacks(report) == [], str(report)
+    dequantised_stock(stock, fast)
+    _compare(stock, fast, seed=19, device=device)
+    assert report.calls["moe_nf4", FUSED] == 1 and report.calls["moe", FUSED] == 1
+
+
+def test_stock_calls_get_dense_experts_for_that_call(device, tmp_path):
+    """A call the grouped path does not take (a forward hook on the wrapped experts module) runs
+    PEFT's forward on the dequantised weights, and the NF4 weights are back afterwards."""
+    base = load_4bit("qwen3_moe", tmp_path, device)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERT_PARAMS,
+                        init_lora_weights=False)
+    stock = get_peft_model(base, config)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig())
+    dequantised_stock(stock, fast)
+    inner = fast.get_submodule("base_model.model.model.layers.0.mlp.experts.base_layer.base_layer")
+    inner.register_forward_hook(lambda *a: None)
+    _compare(stock, fast, seed=20, device=device)
+    assert report.calls["moe_nf4", FUSED] == 0
+    assert sum(v for (op, why), v in report.calls.items() if op == "moe_nf4" and why.startswith("dequantised")) == 1
+    assert isinstance(inner.gate_up_proj, NF4Weight) and isinstance(inner.down_proj, NF4Weight)
+    assert "gate_up_proj" not in inner._parameters
+
+
+def test_greedy_generation_matches_dequantised_stock(device, tmp_path):
+    """Prefill and every decode step run the grouped path on NF4 weights (a stock decode step would
+    have to dequantise the whole stack anyway)."""
+    base = load_4bit("qwen3_moe", tmp_path, device)
+    stock = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                            target_parameters=EXPERT_PARAMS, init_lora_weights=False))
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig())
+    dequantised_stock(stock, fast)
+    stock.eval(), fast.eval()
+    prompt = make_batch(stock.config.vocab_size, batch=2, seq=9, seed=30, device=device)
+    kw = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        a = fast.generate(input_ids=prompt["input_ids"], attention_mask=prompt["attention_mask"], **kw)
+        b = stock.generate(input_ids=prompt["input_ids"], attention_mask=prompt["attention_mask"], **kw)
+    assert torch.equal(a, b)
+    assert report.calls["moe_nf4", FUSED] == 4  # the prefill and three decode steps
+
+
+def test_off_auto_and_unpatch(device, tmp_path):
+    base = load_4bit("qwen3_moe", tmp_path, device)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMS))
+    off = copy.deepcopy(model)
+    report = patch_model(off, FastConfig(moe_experts_nf4="off"))
+    assert "moe_nf4" not in report.patched and moe_fallbacks(report) == [] and not nf4_weights(off), str(report)
+
+    report = patch_model(model, FastConfig())
+    held = {n: w.dequantize() for n, w in nf4_weights(model).items()}
+    with pytest.raises(RuntimeError, match="held in NF4"):
+        model.merge_and_unload()  # PEFT's in-place merge cannot add into 4-bit codes
+    unpatch_model(model)
+    assert not nf4_weights(model)
+    for name, values in held.items():
+        p = model.get_parameter(name)
+        assert torch.equal(p, values) and not p.requires_grad
+
+
+def test_auto_leaves_dense_models_and_fp4_bases_alone(device, tmp_path):
+    dense = tiny_model("qwen3_moe", seed=1, **SHAPES["qwen3_moe"]).to(device)
+    report = patch_model(dense, FastConfig())
+    assert "moe_nf4" not in report.patched and moe_fallbacks(report) == [], str(report)
+    # "on" with trainable experts (full fine-tuning): they stay dense, reported.
+    report = patch_model(tiny_model("qwen3_moe", seed=1).to(device), FastConfig(moe_experts_nf4="on"))
+    assert [(f.op, "trainable" in f.reason) for f in moe_fallbacks(report)] == [("moe_nf4", True)], str(report)
+    fp4 = load_4bit("qwen3_moe", tmp_path, device, quant_type="fp4")
+    report = patch_model(fp4, FastConfig())
+    fallbacks = moe_fallbacks(report)
+    assert [f.op for f in fallbacks] == ["moe_nf4"] and "fp4" in fallbacks[0].reason, str(report)
+
+
+def test_bad_option_names_the_argument():
+    with pytest.raises(ValueError, match="moe_experts_nf4"):
+        FastConfig(moe_experts_nf4="nf4")
+    with pytest.raises(TypeError, match="moe_experts_nf4"):
+        FastConfig(moe_experts_nf4=True)
