@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 
 from ..config import FastConfig
@@ -84,9 +85,14 @@ def holds_nf4(experts: nn.Module) -> bool:
     return any(isinstance(getattr(experts, n, None), NF4Weight) for n in EXPERT_WEIGHTS)
 
 
+SOURCE_ATTR = "_fasttune_nf4_source"  # on a restored dense parameter: the NF4Weight it was dequantised from
+
+
 class _RestoreDense:
     """Undo of ``quantize_experts``: dense frozen parameters holding the dequantised values. An
-    object, not a closure, so ``copy.deepcopy`` of a patched model maps it onto the copy."""
+    object, not a closure, so ``copy.deepcopy`` of a patched model maps it onto the copy. Each
+    parameter remembers its NF4 source, so a re-patch (``patch_model`` unpatches first) takes the
+    same codes back instead of quantising the dequantised values again (double quant would drift)."""
 
     def __init__(self, experts: nn.Module):
         self.experts = experts
@@ -95,7 +101,20 @@ class _RestoreDense:
         for name in EXPERT_WEIGHTS:
             held = getattr(self.experts, name, None)
             if isinstance(held, NF4Weight):
-                _put(self.experts, name, nn.Parameter(held.dequantize(), requires_grad=False))
+                dense = nn.Parameter(held.dequantize(), requires_grad=False)
+                setattr(dense, SOURCE_ATTR, held)
+                _put(self.experts, name, dense)
+
+
+def _unchanged_source(w: nn.Parameter, blocksize: int, nested: bool) -> NF4Weight | None:
+    """The NF4Weight a restored parameter came from, when it still holds exactly its values (a
+    value check, not the version counter: PEFT merges through ``param.data``, which bumps none)."""
+    held = getattr(w, SOURCE_ATTR, None)
+    if (isinstance(held, NF4Weight) and held.blocksize == blocksize
+            and held.nested == nested and held.device == w.device and held.shape == w.shape and held.dtype == w.dtype
+            and torch.equal(held.dequantize(), w.detach())):
+        return held
+    return None
 
 
 def quantize_experts(experts: nn.Module, blocksize: int, nested: bool):
@@ -110,10 +129,13 @@ def quantize_experts(experts: nn.Module, blocksize: int, nested: bool):
         if w.requires_grad:
             return f"{name} is trainable (full fine-tuning): NF4 holds frozen weights only"
     for name, w in weights.items():
-        packed, state = bnb_f.quantize_4bit(w.detach().contiguous(), blocksize=blocksize,
-                                            compress_statistics=nested, quant_type="nf4")
-        _put(experts, name, NF4Weight(packed, state))  # the dense parameter is dropped here
-        del packed, state
+        held = _unchanged_source(w, blocksize, nested)
+        if held is None:
+            packed, state = bnb_f.quantize_4bit(w.detach().contiguous(), blocksize=blocksize,
+                                                compress_statistics=nested, quant_type="nf4")
+            held = NF4Weight(packed, state)
+            del packed, state
+        _put(experts, name, held)  # the dense parameter is dropped here
     weights.clear()
     return _RestoreDense(experts)
 

@@ -147,6 +147,23 @@ def test_off_auto_and_unpatch(device, tmp_path):
         assert torch.equal(p, values) and not p.requires_grad
 
 
+def test_repatching_keeps_the_same_codes(device, tmp_path):
+    """patch_model unpatches first: the restored dense experts take their NF4 codes back (double
+    quant would drift if the dequantised values were quantised again), unless they were written."""
+    base = load_4bit("qwen3_moe", tmp_path, device, double_quant=True)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMS))
+    patch_model(model, FastConfig())
+    first = nf4_weights(model)
+    report = patch_model(model, FastConfig())
+    assert report.patched["moe_nf4"] == 1 and nf4_weights(model) == first
+    unpatch_model(model)
+    name = next(iter(first))
+    model.get_parameter(name).data += 1.0  # written since (as PEFT's merge writes): quantised afresh
+    patch_model(model, FastConfig())
+    again = nf4_weights(model)
+    assert again[name] is not first[name] and all(again[n] is first[n] for n in first if n != name)
+
+
 def test_auto_leaves_dense_models_and_fp4_bases_alone(device, tmp_path):
     dense = tiny_model("qwen3_moe", seed=1, **SHAPES["qwen3_moe"]).to(device)
     report = patch_model(dense, FastConfig())
