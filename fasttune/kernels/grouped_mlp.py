@@ -24,8 +24,8 @@ Backward, dY_i = dout[t_i] (a gather):
 Saved between forward and backward: GU [S, 2I] (its buffer receives dGU) and the routing indices;
 x[t], H' and the rank-r products are recomputed (x itself is the caller's). A frozen weight held in
 NF4 (``nf4_weight.NF4Weight``, QLoRA experts) is dequantised where it is used, in the forward and
-again in the backward: at most one projection's dense weight is alive at a time, none between them. An expert with no row
-gets zero gradients. Every product runs in the base weight's dtype (x, adapters and biases are
+again in the backward: at most one projection's dense weight is alive at a time, none between
+them. An expert with no row gets zero gradients. Every product runs in the base weight's dtype (x, adapters and biases are
 cast to it, as PEFT and transformers' grouped experts do); the output is returned in x's dtype,
 every gradient in its input's dtype.
 """

@@ -126,6 +126,8 @@ def quantize_experts(experts: nn.Module, blocksize: int, nested: bool):
     for name, w in weights.items():
         if not isinstance(w, nn.Parameter) or w.dim() != 3:
             return f"{name} is not a 3-D parameter"
+        if w.numel() == 0 or hasattr(w, "ds_id") or type(w).__name__ == "DTensor":
+            return f"{name} is partitioned or sharded (ZeRO-3 / FSDP): NF4 experts need the whole tensor"
         if w.requires_grad:
             return f"{name} is trainable (full fine-tuning): NF4 holds frozen weights only"
     for name, w in weights.items():
