@@ -131,6 +131,26 @@ class NF4Weight(nn.Module):
         with torch.no_grad():
             return dequantize_nf4(self.packed, self.quant_state(), out)
 
+    def dequantize_experts(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """``dequantize()[ids]`` without the rest: the slices ``ids`` of the leading dimension
+        (experts), when each slice starts on a scale block (and on a second-level block when
+        nested); else None (the caller dequantises the whole weight). Same values, bit for bit."""
+        E = self.shape[0]
+        n_e = math.prod(self.shape[1:])
+        per = n_e // self.blocksize
+        if E == 0 or n_e % self.blocksize or (self.nested and per % self.blocksize2):
+            return None
+        qs = self.quant_state()
+        state2 = None
+        if self.nested:
+            state2 = SimpleNamespace(code=qs.state2.code, blocksize=self.blocksize2,
+                                     absmax=qs.state2.absmax.view(E, per // self.blocksize2)[ids].reshape(-1))
+        state = SimpleNamespace(absmax=qs.absmax.view(E, per)[ids].reshape(-1), shape=torch.Size((ids.numel(),
+                                *self.shape[1:])), dtype=self.dtype, blocksize=self.blocksize, quant_type="nf4",
+                                nested=self.nested, offset=qs.offset, state2=state2)
+        with torch.no_grad():
+            return dequantize_nf4(self.packed.view(E, n_e // 2)[ids].reshape(-1), state)
+
     def extra_repr(self) -> str:
         return (f"shape={tuple(self.shape)}, dtype={str(self.dtype).replace('torch.', '')}, "
                 f"blocksize={self.blocksize}, nested={self.nested}")

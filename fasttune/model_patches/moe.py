@@ -17,8 +17,9 @@ add ``s·B A`` to every expert's weight for the call: E·(2I·H + H·I) values p
 merged adapters → the base weights alone; several active adapters, a disabled *merged* adapter
 (PEFT unmerges it), hooks on an inner wrapper, quantised or partitioned weights, other arguments
 → the forward it replaced (stock, or PEFT's). Decode steps take the stock path too, unless the
-experts are held in NF4 (``moe_nf4.py``, QLoRA): then the grouped path serves them as well, and a
-call that does go stock gets the dequantised weights as dense parameters for that call.
+experts are held in NF4 (``moe_nf4.py``, QLoRA): then the grouped path serves them as well, on
+the experts the step's tokens hit (dequantised alone), and a call that does go stock gets the
+dequantised weights as dense parameters for that call.
 
 What the row and the module must agree on is checked at patch time (``check_experts``): the
 parameter shapes and layout, the biases, and the activation — probed on the module itself
@@ -41,7 +42,7 @@ from .families import ACTIVATIONS, FamilySpec
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .mlp import config_activation, probe_activation
 from .moe_nf4 import OP as OP_NF4
-from .moe_nf4 import dense_experts, holds_nf4, nf4_settings, quantize_experts
+from .moe_nf4 import dense_experts, hit_experts, holds_nf4, nf4_settings, quantize_experts
 from .report import FUSED, PatchReport
 
 OP = "moe"
@@ -237,6 +238,9 @@ class FastExpertsForward(PatchedForward):
             self.calls[OP_LORA, FUSED] += 1
         if nf4:
             self.calls[OP_NF4, FUSED] += 1
+            hit = hit_experts(index, specs) if stock_is_faster(x) else None  # a decode step: its experts only
+            if hit is not None:
+                index, specs = hit
         return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu)
 
     def _stock(self, nf4: bool, reason: str, args, kwargs):

@@ -142,6 +142,22 @@ def quantize_experts(experts: nn.Module, blocksize: int, nested: bool):
     return _RestoreDense(experts)
 
 
+def hit_experts(index: torch.Tensor, projections):
+    """For a decode step (a few rows): (index renumbered over the experts it hits, the projections
+    cut to those experts, NF4 weights dequantised for them only), or None where a weight's experts
+    do not start on scale blocks. Dequantising the whole stack for a handful of tokens would cost
+    more than the step (Qwen3-30B-A3B: 1.2 GB of bf16 per layer)."""
+    ids, compact = torch.unique(index, return_inverse=True)
+    out = []
+    for p in projections:
+        weight = p.weight.dequantize_experts(ids) if isinstance(p.weight, NF4Weight) else p.weight[ids]
+        if weight is None:
+            return None
+        pick = (lambda t: None if t is None else t[ids])
+        out.append(p._replace(weight=weight, bias=pick(p.bias), lora_a=pick(p.lora_a), lora_b=pick(p.lora_b)))
+    return compact.view(index.shape), tuple(out)
+
+
 @contextlib.contextmanager
 def dense_experts(experts: nn.Module):
     """For one stock call: the dequantised weights as frozen dense parameters, NF4 again after."""
@@ -155,4 +171,4 @@ def dense_experts(experts: nn.Module):
             _put(experts, name, w)
 
 
-__all__ = ["OP", "dense_experts", "holds_nf4", "loaded_in_4bit", "nf4_settings", "quantize_experts"]
+__all__ = ["OP", "dense_experts", "hit_experts", "holds_nf4", "loaded_in_4bit", "nf4_settings", "quantize_experts"]

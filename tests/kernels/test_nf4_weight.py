@@ -52,6 +52,23 @@ def test_dequantize_equals_bitsandbytes(device, dtype, nested):
         assert all(b.dtype == torch.uint8 for b in held.buffers())
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_dequantize_experts_is_the_whole_weight_sliced(device, nested):
+    torch.manual_seed(4)
+    # 5 experts of 256·128 values: 512 blocks of 64 each, two second-level blocks of 256
+    held = NF4Weight(*_quantize(torch.randn(5, 256, 128, device=device), nested)[:2])
+    whole = held.dequantize()
+    for ids in ([3], [0, 2, 4], [4, 1], list(range(5))):
+        ids = torch.tensor(ids, device=device)
+        assert torch.equal(held.dequantize_experts(ids), whole[ids])
+    # an expert whose codes start inside a block (or a second-level block): the caller goes whole
+    odd = NF4Weight(*_quantize(torch.randn(3, 40, 20, device=device), nested)[:2])  # 800 values: 12.5 blocks
+    assert odd.dequantize_experts(torch.tensor([1], device=device)) is None
+    if nested:
+        part = NF4Weight(*_quantize(torch.randn(3, 64, 64, device=device), nested)[:2])  # 64 blocks per expert
+        assert part.dequantize_experts(torch.tensor([1], device=device)) is None
+
+
 def test_reads_like_the_dense_tensor_and_holds_fewer_bytes(device):
     w = torch.randn(4, 64, 96, dtype=torch.bfloat16, device=device)
     held = NF4Weight(*_quantize(w, nested=True)[:2])

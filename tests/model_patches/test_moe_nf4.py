@@ -111,23 +111,33 @@ def test_stock_calls_get_dense_experts_for_that_call(device, tmp_path):
     assert "gate_up_proj" not in inner._parameters
 
 
-def test_greedy_generation_matches_dequantised_stock(device, tmp_path):
-    """Prefill and every decode step run the grouped path on NF4 weights (a stock decode step would
-    have to dequantise the whole stack anyway)."""
-    base = load_4bit("qwen3_moe", tmp_path, device)
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_greedy_generation_matches_dequantised_stock(device, tmp_path, double_quant, monkeypatch):
+    """Prefill and every decode step run the grouped path on NF4 weights; a decode step dequantises
+    only the experts its tokens hit (each expert's codes start on a scale block here: with double
+    quant, on a second-level block too, hence the wider experts)."""
+    base = load_4bit("qwen3_moe", tmp_path, device, double_quant=double_quant, moe_intermediate_size=128)
     stock = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
                                             target_parameters=EXPERT_PARAMS, init_lora_weights=False))
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     dequantised_stock(stock, fast)
+    calls = {"whole": 0, "hit": 0}
+    for method, key in (("dequantize", "whole"), ("dequantize_experts", "hit")):
+        def counted(self, *a, _fn=getattr(NF4Weight, method), _key=key, **k):
+            calls[_key] += 1
+            return _fn(self, *a, **k)
+
+        monkeypatch.setattr(NF4Weight, method, counted)
     stock.eval(), fast.eval()
-    prompt = make_batch(stock.config.vocab_size, batch=2, seq=9, seed=30, device=device)
+    prompt = make_batch(stock.config.vocab_size, batch=2, seq=40, seed=30, device=device)  # 80 rows: prefill whole
     kw = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
         a = fast.generate(input_ids=prompt["input_ids"], attention_mask=prompt["attention_mask"], **kw)
         b = stock.generate(input_ids=prompt["input_ids"], attention_mask=prompt["attention_mask"], **kw)
     assert torch.equal(a, b)
     assert report.calls["moe_nf4", FUSED] == 4  # the prefill and three decode steps
+    assert calls == {"whole": 2, "hit": 6}  # the prefill's two weights whole; per decode step, hit experts only
 
 
 def test_off_auto_and_unpatch(device, tmp_path):

@@ -22,10 +22,10 @@ SHAPES = {
 }
 
 
-def load_4bit(model_type: str, path, device, double_quant=False, seed=8, quant_type="nf4"):
+def load_4bit(model_type: str, path, device, double_quant=False, seed=8, quant_type="nf4", **overrides):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    tiny_model(model_type, seed=seed, **SHAPES[model_type]).save_pretrained(path)
+    tiny_model(model_type, seed=seed, **{**SHAPES[model_type], **overrides}).save_pretrained(path)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=torch.float32,
                                bnb_4bit_use_double_quant=double_quant)
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32,
