@@ -12,6 +12,11 @@ LoRA r=16, alpha 16 (``--lora``):
             (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) — the default;
   attention q/k/v/o only, the experts frozen.
 
+Base weights (``--weights``): ``bf16``, or ``nf4`` (QLoRA: every decoder nn.Linear becomes a
+bitsandbytes NF4 ``Linear4bit`` as a 4-bit load makes it, ``bench_step.to_nf4``; the stacked experts
+stay bf16 for hf and Unsloth's PEFT path as bitsandbytes leaves them, and fasttune holds them in NF4
+under ``--experts-nf4 auto``, the default; ``off`` keeps them bf16 to isolate the change).
+
 Stacks, each in its own process (``bench_step.py``'s Step/measure: median of ``--steps`` timed
 steps after ``--warmup``): ``hf`` (transformers' default grouped_mm experts + PEFT), ``fasttune``
 (``patch_model``; the run checks that every MoE block took the grouped path and, with ``--lora
@@ -28,6 +33,7 @@ Usage (H200, repo root, peers' wheels as for bench_step.py):
     python3 benchmarks/bench_moe_step.py --layers 8 --out $OUT/moe.json
     python3 benchmarks/bench_moe_step.py --layers 8 --lora attention --stacks hf,fasttune
     python3 benchmarks/bench_moe_step.py --layers 8 --stacks fasttune,unsloth --profile fasttune,unsloth
+    python3 benchmarks/bench_moe_step.py --layers 8 --weights nf4 --stacks hf,fasttune   # QLoRA, NF4 experts
     python3 benchmarks/bench_moe_step.py --smoke     # tiny model on CPU (interpreter) or GPU: checks the script
 """
 
@@ -92,15 +98,20 @@ def prepare(stack: str, args, log):
     base = build(args)
     if args.ckpt_dir and "unsloth" in args.stacks:
         common.save_checkpoint(base, args.ckpt_dir)
+    if args.weights == "nf4":
+        common.to_nf4(base)
     model = get_peft_model(base, lora_config(args))
     if stack == "hf":
         common.hf_checkpointing(base)
     else:
         from fasttune import FastConfig, patch_model
 
-        report = patch_model(model, FastConfig(checkpointing=args.checkpointing))
+        report = patch_model(model, FastConfig(checkpointing=args.checkpointing, moe_experts_nf4=args.experts_nf4))
+        common.release()  # the bf16 experts that NF4 replaced
         log("    " + str(report).replace("\n", "\n    "))
         want = {"moe": args.layers, **({"lora_moe": args.layers} if args.lora == "experts" else {})}
+        if args.weights == "nf4" and args.experts_nf4 != "off":
+            want["moe_nf4"] = args.layers
         short = {op: report.patched[op] for op, n in want.items() if report.patched[op] != n}
         if short:
             raise RuntimeError(f"MoE fast path not installed on every layer {short}: {report}")
@@ -117,7 +128,7 @@ def prepare_unsloth(args, log):
     if not os.path.exists(os.path.join(args.ckpt_dir or "-", "config.json")):
         raise RuntimeError(f"no checkpoint at {args.ckpt_dir} (the hf or fasttune worker writes it)")
     model, _ = FastLanguageModel.from_pretrained(args.ckpt_dir, max_seq_length=max(s for _, s in args.shapes),
-                                                 dtype=torch.bfloat16, load_in_4bit=False)
+                                                 dtype=torch.bfloat16, load_in_4bit=args.weights == "nf4")
     kw = dict(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", use_gradient_checkpointing="unsloth",
               random_state=0, target_modules=list(ATTENTION))
     if args.lora == "experts":
@@ -167,7 +178,7 @@ def worker(stack: str, args) -> None:
             report = getattr(model, "_bench_report", None)
             if report is not None:
                 row["calls"] = {f"{op}/{outcome}"[:120]: n for (op, outcome), n in report.calls.items()
-                                if op in ("moe", "lora_moe")}
+                                if op in ("moe", "lora_moe", "moe_nf4")}
             if stack in args.profile:
                 row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", None)
                 for out in row["profile"].splitlines()[:60]:
@@ -198,6 +209,7 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--stacks", ",".join(args.stacks), "--layers", str(args.layers), "--lora", args.lora,
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
+           "--weights", args.weights, "--experts-nf4", args.experts_nf4,
            "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile)] + (["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
@@ -247,6 +259,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="decoder layers (Qwen3-30B-A3B has 48; default 8)")
     p.add_argument("--lora", default="experts", choices=("experts", "attention"),
                    help="LoRA on attention and the experts, or on attention only (experts frozen)")
+    p.add_argument("--weights", default="bf16", choices=("bf16", "nf4"),
+                   help="base weights: bf16, or NF4 (QLoRA: decoder linears as bitsandbytes Linear4bit)")
+    p.add_argument("--experts-nf4", default="auto", choices=("auto", "on", "off"),
+                   help="fasttune's FastConfig.moe_experts_nf4 (auto: NF4 experts when --weights nf4)")
     p.add_argument("--shapes", default="4x2048", help="batch x sequence, comma-separated")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -286,14 +302,16 @@ def main(argv=None) -> None:
         print(f"[{time.time() - t0:6.1f} s] {msg}", flush=True)
 
     info = common.versions()
-    log(" ".join(f"{k}={v}" for k, v in info.items()) + f" layers={args.layers} lora={args.lora}")
+    log(" ".join(f"{k}={v}" for k, v in info.items()) + f" layers={args.layers} lora={args.lora} "
+        f"weights={args.weights} experts_nf4={args.experts_nf4}")
     rows = []
     for stack in args.stacks:
         rows += run_stack(stack, args, log)
     print("\n" + table(rows, args) + f"\n\ntotal {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"versions": info, "layers": args.layers, "lora": args.lora, "rows": rows}, f, indent=1)
+            json.dump({"versions": info, "layers": args.layers, "lora": args.lora, "weights": args.weights,
+                       "experts_nf4": args.experts_nf4, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

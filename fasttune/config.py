@@ -24,6 +24,7 @@ GGUF_QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_
                       "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
 MERGED_DTYPES = ("bfloat16", "float16", "float32")
 BASE_DTYPES = ("auto", "fp8")
+MOE_EXPERTS_NF4 = ("auto", "on", "off")
 
 
 @dataclass
@@ -47,6 +48,13 @@ class FastConfig:
     moe: bool = field(default=True, metadata={
         "help": "Mixture-of-experts layers: the routed experts as one sorted, grouped computation (grouped "
                 "products, fused GLU, hand-written backward), with PEFT LoRA on the experts fused in."})
+    moe_experts_nf4: str = field(default="auto", metadata={
+        "help": "With `moe`: hold the frozen stacked expert weights (transformers 5's 3-D gate_up_proj/down_proj, "
+                "which bitsandbytes' 4-bit loading leaves dense) in NF4, quantised by bitsandbytes with the base's "
+                "blocksize and double-quant setting, dequantised per call inside the grouped expert path. 'auto': "
+                "when the base was loaded in 4-bit NF4 (QLoRA); 'on': always (needs bitsandbytes; frozen experts "
+                "only); 'off': the experts keep their load dtype. LoRA on the experts still trains; PEFT's in-place "
+                "merge is refused (save_merged dequantises; unpatch_model restores dense experts)."})
     lora: bool = field(default=True, metadata={
         "help": "Fused LoRA paths (gated MLP, QKV, O; NF4 dequantised on the fly) for PEFT LoRA "
                 "modules with dropout 0, no bias and no DoRA; other LoRA modules keep PEFT's path."})
@@ -129,6 +137,8 @@ class FastConfig:
             raise ValueError("memory_budget_gb only applies to checkpointing='auto'")
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
+        if self.moe_experts_nf4 not in MOE_EXPERTS_NF4:
+            raise ValueError(f"moe_experts_nf4 must be one of {MOE_EXPERTS_NF4}, got {self.moe_experts_nf4!r}")
         if self.loss_workspace_mib < 1:
             raise ValueError(f"loss_workspace_mib must be >= 1, got {self.loss_workspace_mib}")
         self.export_artifacts = _choices("export_artifacts", self.export_artifacts, ARTIFACTS)

@@ -114,6 +114,21 @@ def test_bench_moe_step_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_moe_step_smoke_nf4(tmp_path):
+    """``--weights nf4`` (QLoRA): attention in bitsandbytes NF4, fasttune's experts in NF4 too (every
+    expert call fused on NF4 weights); hf keeps the experts dense, so the step-1 losses differ by the
+    experts' NF4 rounding only."""
+    out = tmp_path / "moe_nf4.json"
+    _run(["benchmarks/bench_moe_step.py", "--smoke", "--stacks", "hf,fasttune", "--layers", "1", "--weights", "nf4",
+          "--ckpt-dir", "", "--out", str(out)], 900)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["weights"] == "nf4" and all("tokens_per_s" in r for r in rows), rows
+    assert rows[1]["calls"].get("moe_nf4/fused", 0) >= 1 and all(k.endswith("/fused") for k in rows[1]["calls"])
+    assert abs(rows[0]["loss_step1"] - rows[1]["loss_step1"]) <= 1e-2 * abs(rows[0]["loss_step1"]), rows
+
+
+@pytest.mark.slow
 def test_bench_vlm_smoke_survives_a_failing_stack(tmp_path):
     """Qwen2.5-VL step script: hf and fasttune rows with the same first loss (LoRA B = 0), and a
     stack that cannot run (Unsloth without its checkpoint dir, or not installed) reported, not fatal."""

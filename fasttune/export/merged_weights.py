@@ -17,6 +17,10 @@ Two sources share these rules: ``ModelWeights`` (the live model's own base weigh
 stored in FP8 (``FastConfig(base_dtype="fp8")``, ``model_patches/fp8_base.py``) holds only an
 approximation of its weight: its entry reads the original 16-bit tensor from the checkpoint the
 model was loaded from (``OriginalWeights``, one tensor per ``load()``), never the FP8 codes.
+Stacked MoE experts held in NF4 (``FastConfig.moe_experts_nf4``, ``kernels.nf4_weight.NF4Weight``
+in the parameter's place) are written under the parameter's own key, dequantised (plus the LoRA
+delta of their ``ParamWrapper``); with ``save_merged(base=...)`` the delta goes onto the 16-bit
+original instead.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..kernels.nf4_weight import NF4Weight
 from ..model_patches.fp8_base import FP8_SOURCE_ATTR, is_fp8_layer
 
 
@@ -276,7 +281,18 @@ class _Walker:
             self._uses.setdefault(id(source), []).append((len(self.entries), merged))
         self.entries.append(WeightEntry(name, tuple(shape), load))
 
+    def _nf4(self, held: NF4Weight, key: str, merge=None) -> None:
+        """An NF4-held stacked weight: one entry under its parameter's key, dequantised (and merged)."""
+        if merge is not None:
+            self.rules.merge[key] = merge
+            self.rules.shapes[key] = tuple(held.shape)
+        self.add(key, held.shape, lambda h=held, f=merge: f(h.dequantize()) if f else h.dequantize().float(),
+                 held.packed, merge is not None)
+
     def walk(self, module: nn.Module, prefix: str) -> None:
+        if isinstance(module, NF4Weight):
+            self._nf4(module, prefix[:-1])
+            return
         if _is_param_wrapper(module):
             self._param_lora(module, prefix)
             return
@@ -321,7 +337,9 @@ class _Walker:
             self.add(prefix + pname, param.shape, lambda p=param, f=merge: f(p) if f else _as_float(p), param,
                      merge is not None)
         for cname, child in module._modules.items():
-            if child is not None:
+            if isinstance(child, NF4Weight):
+                self._nf4(child, prefix + cname, merges.get(cname))
+            elif child is not None:
                 self.walk(child, f"{prefix}{cname}.")
 
     def _lora(self, module: nn.Module, prefix: str) -> None:

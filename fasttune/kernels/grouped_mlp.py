@@ -22,8 +22,10 @@ Backward, dY_i = dout[t_i] (a gather):
   dA = s·(dY B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
 
 Saved between forward and backward: GU [S, 2I] (its buffer receives dGU) and the routing indices;
-x[t], H' and the rank-r products are recomputed (x itself is the caller's). An expert with no row
-gets zero gradients. Every product runs in the base weight's dtype (x, adapters and biases are
+x[t], H' and the rank-r products are recomputed (x itself is the caller's). A frozen weight held in
+NF4 (``nf4_weight.NF4Weight``, QLoRA experts) is dequantised where it is used, in the forward and
+again in the backward: at most one projection's dense weight is alive at a time, none between
+them. An expert with no row gets zero gradients. Every product runs in the base weight's dtype (x, adapters and biases are
 cast to it, as PEFT and transformers' grouped experts do); the output is returned in x's dtype,
 every gradient in its input's dtype.
 """
@@ -37,10 +39,16 @@ from ._backend import check_float, check_same_device, use_triton
 from .grouped_mm import group_offsets, grouped_mm, grouped_mm_wgrad
 from .moe_glu import moe_glu, moe_glu_backward
 from .moe_reference import ExpertGLU, ExpertProjection
+from .nf4_weight import NF4Weight
 
 __all__ = ["GroupedMLPFunction", "grouped_mlp", "ExpertGLU", "ExpertProjection"]
 
 _FIELDS = 4  # tensors per projection handed to the Function: weight, bias, lora_a, lora_b
+
+
+def _dense(weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense tensor of ``dtype`` (an ``NF4Weight`` dequantised for this use)."""
+    return weight.dequantize().to(dtype) if isinstance(weight, NF4Weight) else weight.to(dtype)
 
 
 def _as_kn(p_weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -52,7 +60,7 @@ class _Proj:
     """One projection inside the Function: its tensors in the compute dtype and its layout."""
 
     def __init__(self, weight, bias, lora_a, lora_b, scaling, transposed, dtype):
-        self.weight = weight.to(dtype)
+        self.weight = _dense(weight, dtype)
         self.bias = None if bias is None else bias.to(dtype)
         # Contiguous copies of the (small) adapters: PEFT's B arrives as a strided view [E, out, r]
         # whose layouts torch's grouped GEMM refuses.
@@ -107,7 +115,6 @@ class GroupedMLPFunction(torch.autograd.Function):
         T, k = top_k_index.shape
         dtype = tensors[0].dtype
         gu_p = _Proj(*tensors[:_FIELDS], *meta[0], dtype)
-        d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
         E = gu_p.weight.shape[0]
         flat = top_k_index.reshape(-1)
         expert, perm = torch.sort(flat, stable=True)
@@ -118,22 +125,27 @@ class GroupedMLPFunction(torch.autograd.Function):
         w = top_k_weights.reshape(-1)[perm]
         xs = x.to(dtype)[token]
         gate_up = gu_p.forward(xs, offs, expert)
-        del xs
+        del xs, gu_p
         h = moe_glu(gate_up, w, glu)
+        d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
         y = d_p.forward(h, offs, expert, row_weight=w)
+        del d_p
         out = y[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
-        ctx.save_for_backward(x, expert, token, inverse, offs, w, gate_up, *tensors)
+        # NF4 weights are no tensors autograd can save: they ride on ctx (frozen, nothing to track).
+        ctx.nf4 = {i: t for i, t in enumerate(tensors) if isinstance(t, NF4Weight)}
+        saved = [None if i in ctx.nf4 else t for i, t in enumerate(tensors)]
+        ctx.save_for_backward(x, expert, token, inverse, offs, w, gate_up, *saved)
         ctx.glu, ctx.meta, ctx.k, ctx.w_dtype = glu, meta, k, top_k_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, expert, token, inverse, offs, w, gate_up, *tensors = ctx.saved_tensors
+        tensors = [ctx.nf4.get(i, t) for i, t in enumerate(tensors)]
         needs = ctx.needs_input_grad
         dtype = tensors[0].dtype
-        gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
         d_p = _Proj(*tensors[_FIELDS:], *ctx.meta[1], dtype)
-        E, T, k = gu_p.weight.shape[0], x.shape[0], ctx.k
+        E, T, k = d_p.weight.shape[0], x.shape[0], ctx.k
         gu_needs = (needs[5], needs[7], needs[8])
         d_needs = (needs[9], needs[11], needs[12])
 
@@ -156,8 +168,9 @@ class GroupedMLPFunction(torch.autograd.Function):
             dw = dw + (dy.float() * d_p.bias[expert].float()).sum(-1)
             if needs[10]:
                 d_grads[1] = _segment_sum(dy.float() * w.float()[:, None], expert, E)
-        del h, dy
+        del h, dy, d_p
         # The gate/up projection.
+        gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
         xs = x.to(dtype)[token]
         dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs)
         gu_grads = [gu_w, None, gu_a, gu_b]
@@ -168,7 +181,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         dtopk = dw[inverse].view(T, k).to(ctx.w_dtype) if needs[2] else None
         grads = []
         for g, t in zip(gu_grads + d_grads, tensors):
-            grads.append(None if g is None or t is None else g.to(t.dtype))
+            grads.append(None if g is None or t is None or isinstance(t, NF4Weight) else g.to(t.dtype))
         return (dx, None, dtopk, None, None, *grads)
 
 
@@ -214,7 +227,8 @@ def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
         x: [T, H] float32/float16/bfloat16 tokens.
         top_k_index: [T, k] int64 expert of each (token, slot).
         top_k_weights: [T, k] router weight of each (token, slot); differentiable.
-        gate_up: the first projection, out = 2I (gate and up as ``glu`` lays them out).
+        gate_up: the first projection, out = 2I (gate and up as ``glu`` lays them out). A frozen
+            weight may be an ``NF4Weight`` (dequantised per use; its gradient is never asked for).
         down: the second projection, in = I, out = H.
         glu: the activation between them.
 
@@ -223,7 +237,9 @@ def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
     """
     _check(x, top_k_index, top_k_weights, gate_up, down, glu)
     tensors = (*gate_up[:4], *down[:4])
-    if not use_triton(x, *[t for t in tensors if t is not None]):
+    if not use_triton(x, *[t.packed if isinstance(t, NF4Weight) else t for t in tensors if t is not None]):
+        gate_up, down = (p._replace(weight=p.weight.dequantize()) if isinstance(p.weight, NF4Weight) else p
+                         for p in (gate_up, down))
         return reference.grouped_mlp(x, top_k_index, top_k_weights, gate_up, down, glu)
     meta = ((gate_up.scaling, gate_up.transposed), (down.scaling, down.transposed))
     return GroupedMLPFunction.apply(x, top_k_index, top_k_weights, glu, meta, *tensors)

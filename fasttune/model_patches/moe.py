@@ -16,7 +16,10 @@ wrappers' current state: one active adapter → its A/B go into the grouped prod
 add ``s·B A`` to every expert's weight for the call: E·(2I·H + H·I) values per layer); disabled or
 merged adapters → the base weights alone; several active adapters, a disabled *merged* adapter
 (PEFT unmerges it), hooks on an inner wrapper, quantised or partitioned weights, other arguments
-→ the forward it replaced (stock, or PEFT's). Decode steps take the stock path too.
+→ the forward it replaced (stock, or PEFT's). Decode steps take the stock path too, unless the
+experts are held in NF4 (``moe_nf4.py``, QLoRA): then the grouped path serves them as well, on
+the experts the step's tokens hit (dequantised alone), and a call that does go stock gets the
+dequantised weights as dense parameters for that call.
 
 What the row and the module must agree on is checked at patch time (``check_experts``): the
 parameter shapes and layout, the biases, and the activation — probed on the module itself
@@ -34,9 +37,12 @@ from torch import nn
 from ..config import FastConfig
 from ..kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
 from ..kernels.moe_reference import moe_glu as reference_glu
+from ..kernels.nf4_weight import NF4Weight
 from .families import ACTIVATIONS, FamilySpec
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .mlp import config_activation, probe_activation
+from .moe_nf4 import OP as OP_NF4
+from .moe_nf4 import dense_experts, hit_experts, holds_nf4, nf4_settings, quantize_experts
 from .report import FUSED, PatchReport
 
 OP = "moe"
@@ -202,7 +208,7 @@ class FastExpertsForward(PatchedForward):
         out = []
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(experts, name)
-            if weight.numel() == 0 or weight.dtype not in KERNEL_DTYPES:
+            if not isinstance(weight, NF4Weight) and (weight.numel() == 0 or weight.dtype not in KERNEL_DTYPES):
                 return f"{name} is partitioned or quantised ({weight.dtype}, {weight.numel()} values here)"
             lora = adapters.pop(name, (None, None, 1.0))
             bias = getattr(experts, f"{name}_bias") if self.bias else None
@@ -216,19 +222,35 @@ class FastExpertsForward(PatchedForward):
 
     def __call__(self, *args, **kwargs):
         call = _arguments(args, kwargs)
-        if call is None or stock_is_faster(call[0]):
-            self.count("other arguments than (hidden_states, top_k_index, top_k_weights)" if call is None
-                       else DECODE_STEP)
-            return self.stock(*args, **kwargs)
+        nf4 = holds_nf4(self.experts)
+        # With NF4 experts a stock call must dequantise the whole stack anyway: the grouped path
+        # (which dequantises the same) serves decode steps too.
+        if call is None or (stock_is_faster(call[0]) and not nf4):
+            return self._stock(nf4, "other arguments than (hidden_states, top_k_index, top_k_weights)"
+                               if call is None else DECODE_STEP, args, kwargs)
         x, index, weights = call
         specs = self.projections()
         if isinstance(specs, str) or x.dtype not in KERNEL_DTYPES or x.dim() != 2 or index.dim() != 2:
-            self.count(specs if isinstance(specs, str) else "inputs outside the kernel's domain (dtype or shape)")
-            return self.stock(*args, **kwargs)
+            return self._stock(nf4, specs if isinstance(specs, str) else
+                               "inputs outside the kernel's domain (dtype or shape)", args, kwargs)
         self.count()
         if any(p.lora_a is not None for p in specs):
             self.calls[OP_LORA, FUSED] += 1
+        if nf4:
+            self.calls[OP_NF4, FUSED] += 1
+            hit = hit_experts(index, specs) if stock_is_faster(x) else None  # a decode step: its experts only
+            if hit is not None:
+                index, specs = hit
         return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu)
+
+    def _stock(self, nf4: bool, reason: str, args, kwargs):
+        """The replaced forward, counted with ``reason``; NF4 experts dense for this call only."""
+        self.count(reason)
+        if not nf4:
+            return self.stock(*args, **kwargs)
+        self.calls[OP_NF4, f"dequantised for a stock call: {reason}"] += 1
+        with dense_experts(self.experts):
+            return self.stock(*args, **kwargs)
 
 
 def _arguments(args, kwargs):
@@ -253,8 +275,9 @@ def _arguments(args, kwargs):
 def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConfig, report: PatchReport) -> None:
     """Install ``FastExpertsForward`` on the experts child of every MoE block of the family.
 
-    Reported as "moe" per block (and "lora_moe" where PEFT LoRA wraps the experts), or a fallback
-    naming the block and the reason.
+    Reported as "moe" per block (and "lora_moe" where PEFT LoRA wraps the experts, "moe_nf4" where
+    the frozen experts were quantised to NF4: ``moe_nf4.py``), or a fallback naming the block and
+    the reason.
     """
     if not config.moe or spec.moe_block_class is None:
         return
@@ -263,9 +286,9 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
         report.fallback(OP, spec.model_type, f"{spec.moe_block_class} / {spec.experts_class} not found in "
                         f"{spec.modeling_module}")
         return
-    if _loaded_in_4bit(base):
-        report.fallback("moe_nf4", "experts", "bitsandbytes quantises 2-D nn.Linear weights only: the stacked 3-D "
-                        "experts stay dense in the load dtype (they run on the grouped path unquantised)")
+    nf4 = nf4_settings(base, config)
+    if isinstance(nf4, str):
+        report.fallback(OP_NF4, "experts", nf4)
     for name, block in base.named_modules():
         if type(block) is not block_cls:
             continue
@@ -285,12 +308,13 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
         report.add(OP, counted=True)
         if outer is not experts:  # PEFT LoRA on expert parameters: fused at each call where it qualifies
             report.add(OP_LORA, counted=True)
-
-
-def _loaded_in_4bit(base: nn.Module) -> bool:
-    quant = getattr(getattr(base, "config", None), "quantization_config", None)
-    as_dict = quant.to_dict() if hasattr(quant, "to_dict") else quant if isinstance(quant, dict) else {}
-    return bool(getattr(base, "is_loaded_in_4bit", False) or as_dict.get("load_in_4bit"))
+        if isinstance(nf4, tuple):
+            undo = quantize_experts(experts, *nf4)
+            if isinstance(undo, str):
+                report.fallback(OP_NF4, f"{name}.{EXPERTS_ATTR}", undo)
+            else:
+                report.on_undo(undo)
+                report.add(OP_NF4, counted=True)
 
 
 def experts_forward(module: nn.Module) -> FastExpertsForward | None:

@@ -104,3 +104,34 @@ def test_loader_then_trainer_log_the_patch_report_once(tmp_path, caplog):
                 data_collator=PadCollator(tok.pad_token_id)).train()
     reports = [r for r in caplog.records if r.getMessage().startswith("fasttune patch report")]
     assert len(reports) == 1, [r.getMessage() for r in reports]
+
+
+def test_qlora_moe_with_nf4_experts_matches_stock_trainer_on_dequantised_experts(tmp_path):
+    """A 4-bit Qwen3-MoE with LoRA on attention and the experts: FastTrainer holds the experts in NF4
+    (``moe_experts_nf4="auto"``); a stock Trainer on the same model whose experts hold the dequantised
+    values gives the same loss curve and the same trained adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    from fasttune.model_patches.report import FUSED
+    from helpers.nf4_moe import EXPERT_PARAMS, dequantised_stock, load_4bit
+
+    base = load_4bit("qwen3_moe", tmp_path / "base", "cpu")
+    stock_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  target_parameters=EXPERT_PARAMS))
+    rows = random_lm_rows(stock_model.config.vocab_size, n=24)
+    collate = PadCollator(pad_token_id=0)
+    fast = FastTrainer(model=copy.deepcopy(stock_model), args=_args(tmp_path / "f", max_steps=3), train_dataset=rows,
+                       data_collator=collate, fast_config=FastConfig())
+    report = fast.patch_report
+    assert report.patched["moe_nf4"] == 1 and report.patched["lora_moe"] == 1, str(report)
+    dequantised_stock(stock_model, fast.model)
+    stock = Trainer(model=stock_model, args=_args(tmp_path / "s", max_steps=3), train_dataset=rows,
+                    data_collator=collate)
+    a, b = _losses(fast), _losses(stock)
+    assert len(a) == len(b) == 3 and report.calls["moe_nf4", FUSED] >= 3
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= 1e-5 * abs(y), f"step {step}: fast {x} vs stock {y}"
+    trained = {n: p for n, p in fast.model.named_parameters() if p.requires_grad}
+    flat_a = torch.cat([trained[n].detach().flatten() for n, p in stock.model.named_parameters() if p.requires_grad])
+    flat_b = torch.cat([p.detach().flatten() for p in stock.model.parameters() if p.requires_grad])
+    assert any("experts" in n for n in trained) and rel_err(flat_a, flat_b) <= 1e-5

@@ -4,13 +4,17 @@ and the gradient of x, the router weights and every projection tensor (weights, 
 Cases: Qwen3-MoE/Mixtral layout (silu, gate/up halves) without and with LoRA on both projections,
 gpt-oss layout (transposed weights, biases, interleaved clamped SwiGLU) with LoRA, GeGLU, top-1,
 an expert that receives no token, frozen experts (no weight gradients asked), bf16. fp32 within
-1e-5 relative (Frobenius), bf16 within 2× the error of the same math in plain bf16 torch."""
+1e-5 relative (Frobenius), bf16 within 2× the error of the same math in plain bf16 torch. Frozen
+weights held in NF4 (``NF4Weight``, bitsandbytes' quantize_4bit): the same output and gradients,
+bit for bit, as the dense dequantised weights, on the kernel path and on the reference path."""
 
 import pytest
 import torch
 
+from fasttune.kernels import grouped_mlp as grouped_mlp_mod
 from fasttune.kernels import moe_reference as reference
 from fasttune.kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
+from fasttune.kernels.nf4_weight import NF4Weight
 from helpers.kernel_checks import check_in_norm
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -109,6 +113,40 @@ def _bf16_torch(x, index, weights, gate_up, down, glu):
             z = reference._glu_math(*reference.split_gate_up(y, glu), glu) if p is gate_up else y
         out = out.index_add(0, token, z * weights[token, slot][:, None])
     return out
+
+
+def _nf4(case, nested):
+    """The case with both frozen weights quantised to NF4: (NF4 case, the same with the dense
+    dequantised weights)."""
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    x, index, weights, gate_up, down, glu = case
+    held, dense = [], []
+    for p in (gate_up, down):
+        packed, state = bnb_f.quantize_4bit(p.weight.detach().contiguous(), blocksize=64, compress_statistics=nested,
+                                            quant_type="nf4")
+        w = NF4Weight(packed, state)
+        held.append(p._replace(weight=w))
+        dense.append(p._replace(weight=w.dequantize()))
+    return (x, index, weights, *held, glu), (x, index, weights, *dense, glu)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["frozen_experts_lora", "gpt_oss_lora_bias"])
+def test_nf4_weights_equal_their_dequantised_values(device, name, dtype, nested, monkeypatch):
+    case = _case(device, dtype, seed=7, **{**CASES[name], "frozen": True})
+    held, dense = _nf4(case, nested)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    got, want = _run(grouped_mlp, held, dy), _run(grouped_mlp, dense, dy)
+    assert len(got) == len(want) == 1 + len(_leaves(case))  # x, router weights, LoRA (and biases)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i}"
+    if dtype == torch.float32:
+        for i, (a, b) in enumerate(zip(got, _run(reference.grouped_mlp, _as64(dense), dy.double()))):
+            check_in_norm(a, b, what=f"output {i} against float64")
+    monkeypatch.setattr(grouped_mlp_mod, "use_triton", lambda *t: False)  # a CPU without Triton
+    for i, (a, b) in enumerate(zip(_run(grouped_mlp, held, dy), _run(grouped_mlp, dense, dy))):
+        assert torch.equal(a, b), f"reference path, output {i}"
 
 
 def test_bad_inputs_name_the_argument(device):

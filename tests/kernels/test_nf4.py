@@ -154,6 +154,46 @@ def test_matches_bitsandbytes(device, dtype, blocksize, nested):
         assert torch.equal(ours, reference.dequantize_nf4(packed, qs))
 
 
+def _float64_math(packed, qs) -> torch.Tensor:
+    """NF4_CODE[code] · absmax[block] in float64 (nested scales: code2[q] · absmax2 + offset)."""
+    n = math.prod(qs.shape)
+    data = packed.reshape(-1).view(torch.uint8).cpu().long()
+    codes = torch.stack([data >> 4, data & 15], dim=1).reshape(-1)[:n]
+    table = torch.tensor(reference.NF4_CODE, dtype=torch.float64)
+    if qs.nested:
+        s2 = qs.state2
+        blocks = torch.arange(qs.absmax.numel())
+        absmax = (s2.code.cpu().double()[qs.absmax.cpu().long()] * s2.absmax.cpu().double()[blocks // s2.blocksize]
+                  + float(qs.offset))
+    else:
+        absmax = qs.absmax.cpu().double()
+    return (table[codes] * absmax[torch.arange(n) // qs.blocksize]).reshape(qs.shape)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stacked_3d_weights_match_bitsandbytes_and_float64(device, dtype, nested):
+    """Stacked MoE expert weights ([E, out, in], quantised as one flat tensor, blocks crossing rows
+    and experts; odd sizes whose last block is partial): bitsandbytes' dequantize_4bit bit for bit,
+    and float64 math within one rounding to the weight's dtype (plus the fp32 roundings of the
+    nested scale for double quant)."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(3 + nested)
+    for shape in ((4, 64, 96), (3, 33, 5), (5, 48, 40)):
+        w = torch.randn(shape, dtype=dtype, device=device)
+        packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+        assert tuple(qs.shape) == shape
+        ours = dequantize_nf4(packed, qs)
+        assert ours.shape == shape and ours.dtype == dtype
+        assert torch.equal(ours, _bnb_dequantize(F, packed, qs))
+        ref64 = _float64_math(packed, qs)
+        ulp = torch.finfo(dtype).eps * ref64.abs() + torch.finfo(dtype).tiny
+        slack = 1.0 if not nested or dtype != torch.float32 else 4.0  # fp32 scale arithmetic under fp32 output
+        assert ((ours.cpu().double() - ref64).abs() <= slack * ulp).all(), shape
+        if not nested and dtype == torch.float32:  # one fp32 product, rounded once: the float64 value rounded
+            assert torch.equal(ours.cpu(), ref64.float())
+
+
 def test_bitsandbytes_roundtrip_and_storage(device):
     """Our reading of quantize_4bit's layout gives back the weight within NF4's error, and a
     non-uint8 quant_storage (FSDP QLoRA) reads the same bytes."""
