@@ -14,7 +14,7 @@
 #   multi     torchrun over every GPU: bench_multi_gpu.py (a lane of its own;
 #             MULTI_ARGS="--modes 1gpu,ddp,fsdp2,fsdp2-prefetch2,zero3" for every phase) MULTI_S=300
 #   context   bench_context.py --only a (fasttune and HF, batch 1 QLoRA)        CONTEXT_S=300
-#   reserve   bench_context.py --only a at 131,072 tokens under a GPU memory cap (RESERVE_CAP_GIB=30) between
+#   reserve   bench_context.py --only a at RESERVE_LEN=131072 tokens under a GPU memory cap (RESERVE_CAP_GIB=30) between
 #             the step's peak allocated and peak reserved memory: with the patch's expandable segments, then
 #             with fixed segments (does the reserve, not the allocation, decide what fits?)  RESERVE_S=110 each
 #   gemm      bench_gemm.py: one 8B layer's matrix products, and regroupings     GEMM_S=60
@@ -57,7 +57,7 @@ job() {  # job NAME GPU
         reserve) for conf in "" "expandable_segments:False"; do  # the product's switch, then fixed segments
                     echo "=== PYTORCH_CUDA_ALLOC_CONF=${conf:-unset} (cap ${RESERVE_CAP_GIB:-30} GiB)"
                     env $env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} timeout "${RESERVE_S:-110}" python3 \
-                        benchmarks/bench_context.py --only a --stacks fasttune --start-len 131072 --leg-cap 90 \
+                        benchmarks/bench_context.py --only a --stacks fasttune --start-len "${RESERVE_LEN:-131072}" --leg-cap 90 \
                         --deadline $(( ${RESERVE_S:-110} - 10 )) --gpu-cap-gib "${RESERVE_CAP_GIB:-30}" --segments \
                         --out "$out/reserve_${conf:-expandable}.json" | grep -E "tokens|stream|OOM|Error"
                 done ;;
