@@ -12,7 +12,8 @@ moves that one tensor off the GPU:
 - ``unpack(p)`` (backward, when the checkpointed layer i starts recomputing): hand back the GPU
   copy (the compute stream waits on the copy's event), then start bringing back the input of the
   layer packed before it (layer i-1) on the side stream, so that copy overlaps layer i's recompute
-  and backward.
+  and backward. Its destination is allocated from the compute stream's pool (the side stream first
+  waits for the compute work queued so far), so the freed copy serves the compute stream at once.
 - The most recently packed tensor also keeps its GPU original until the next ``pack``: the first
   layer the backward reaches (the last one packed) then needs no copy at all.
 - Host buffers come from a pool keyed by (device, byte size): reused across steps, pinned once.
@@ -144,8 +145,8 @@ class OffloadedTensor:
         prev: weak reference to the tensor packed just before this one (the layer below).
     """
 
-    __slots__ = ("shape", "dtype", "device", "host", "on_device", "fetched", "ready", "prev", "_flat", "_pool",
-                 "_device_key", "__weakref__")
+    __slots__ = ("shape", "dtype", "device", "host", "on_device", "fetched", "ready", "compute", "prev", "_flat",
+                 "_pool", "_device_key", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, flat: torch.Tensor, pool: HostBufferPool, device_key):
         self.shape = tensor.shape
@@ -158,9 +159,18 @@ class OffloadedTensor:
         self.on_device = None
         self.fetched = False
         self.ready = None
+        self.compute = None  # the stream a fetched copy was allocated for (it must see the copy finish)
         self.prev = None
 
     def __del__(self):
+        ready, on_device = getattr(self, "ready", None), getattr(self, "on_device", None)
+        if ready is not None and on_device is not None and self.compute is not None:
+            # A fetched copy dropped unused (an abandoned backward): its block goes back to the compute
+            # stream's pool, so that stream must not run past the copy still writing into it.
+            try:
+                self.compute.wait_event(ready)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
         flat, self._flat = getattr(self, "_flat", None), None
         if flat is not None:
             try:
@@ -262,13 +272,11 @@ class OffloadedCheckpointer:
             self.stats.prefetch_hits += 1
         else:
             self.stats.kept_on_device += 1
-        tensor, ready = packed.on_device, packed.ready
-        packed.on_device = packed.ready = None  # the caller owns it now; keep no device memory here
+        tensor, ready, compute = packed.on_device, packed.ready, packed.compute
+        packed.on_device = packed.ready = packed.compute = None  # the caller owns it now; no device memory here
         packed.fetched = False
         if ready is not None:
-            compute = torch.cuda.current_stream(tensor.device)
             compute.wait_event(ready)
-            tensor.record_stream(compute)  # allocated on the side stream, used and freed on this one
         below = packed.prev() if (self.prefetch and packed.prev is not None) else None
         if below is not None and below.on_device is None:
             self.stats.prefetched += 1
@@ -280,12 +288,18 @@ class OffloadedCheckpointer:
         self.stats.fetched += 1
         if packed.device.type == "cuda":
             side = self.side_stream(packed.device)
+            compute = torch.cuda.current_stream(packed.device)
+            # The copy lands in a block of the compute stream's pool, which that stream reuses as soon as the
+            # tensor is freed. A block of the side stream's pool could serve only the side stream again, after
+            # the compute stream passed its last use; with the host layers ahead of the GPU those blocks
+            # piled up (14 GiB of 48 reserved on the side stream at 262,144 tokens, docs/FACTS.md).
+            tensor = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)  # copied over whole
+            side.wait_stream(compute)  # the block may still serve compute work queued before this point
             with torch.cuda.stream(side):
-                tensor = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)  # copied over whole
                 tensor.copy_(packed.host, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(side)
-            packed.on_device, packed.ready = tensor, ready
+            packed.on_device, packed.ready, packed.compute = tensor, ready, compute
         else:
             packed.on_device = packed.host.clone()  # stands in for the host-to-device copy
         packed.fetched = True

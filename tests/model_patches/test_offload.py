@@ -154,22 +154,41 @@ def test_cuda_pack_uses_pinned_memory_and_a_side_stream():
 
 
 @pytest.mark.gpu
-def test_cuda_prefetch_runs_while_the_compute_stream_is_busy():
+def test_cuda_prefetch_waits_for_queued_work_then_overlaps_the_recompute():
     ck = OffloadedCheckpointer()
     xs = [torch.randn(256, 1024, device="cuda") for _ in range(3)]
     packed = [ck.pack(x) for x in xs]
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy compute stream: the "recompute" of the top layer
+    torch.cuda._sleep(200_000_000)  # compute work queued before the unpack (the layer above's backward)
     top = ck.unpack(packed[2])  # kept on device; starts fetching packed[1] on the side stream
     below = packed[1]
     assert below.fetched and below.ready is not None
+    # Its block comes from the compute stream's pool, so the copy waits for the work queued before it.
+    assert not below.ready.query()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s: the top layer's recompute, queued after the prefetch
     below.ready.synchronize()  # the prefetch finished...
-    assert not torch.cuda.current_stream().query()  # ...while the compute stream was still busy
+    assert not torch.cuda.current_stream().query()  # ...while that recompute was still running
     assert torch.equal(ck.unpack(below), xs[1])
     assert torch.equal(top, xs[2])
     assert torch.equal(ck.unpack(packed[0]), xs[0])
     torch.cuda.synchronize()
     assert ck.stats.prefetch_hits == 2 and ck.stats.misses == 0
+
+
+@pytest.mark.gpu
+def test_cuda_a_prefetched_copy_dropped_unused_is_waited_for():
+    ck = OffloadedCheckpointer()
+    xs = [torch.randn(512, 1024, device="cuda") for _ in range(2)]
+    packed = [ck.pack(x) for x in xs]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # the copy and the reuse below both queue behind this: a real race without the wait
+    ck.unpack(packed[1])  # prefetches packed[0]
+    ready = packed[0].ready
+    del packed  # an abandoned backward: the fetched copy is freed without being handed out
+    gc.collect()
+    reuse = torch.full((512, 1024), 7.0, device="cuda")  # may land in the freed block: ordered after the copy
+    torch.cuda.synchronize()
+    assert ready.query() and bool((reuse == 7.0).all())
 
 
 @pytest.mark.gpu
@@ -190,3 +209,8 @@ def test_cuda_pool_no_growth_and_no_leak_over_steps():
         del del_pending
         assert ck.pool.allocations == 6 and ck.pool.bytes_in_use == 0
         assert torch.cuda.memory_allocated() == base, f"step {step}: device memory leaked"
+        if step == 0:
+            reserved = torch.cuda.memory_reserved()
+        assert torch.cuda.memory_reserved() == reserved, f"step {step}: the reserve grew"
+    side = ck.side_stream(torch.device("cuda")).cuda_stream
+    assert not [s for s in torch.cuda.memory_snapshot() if s["stream"] == side], "blocks in the side stream's pool"
