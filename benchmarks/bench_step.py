@@ -38,7 +38,9 @@ The JSON rows also carry each timed step's ms, per-step phases (GPU ms of forwar
 AdamW from CUDA events, and how far into the step the host finished launching each) and the
 garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
 fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
-``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels).
+``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
+``--attention-stash`` with ``FastConfig(attention_stash=True)`` on the offloading stacks (the attention
+core's saved tensors in host memory instead of recomputed; its counters follow the row).
 
 ``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
 fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
@@ -58,6 +60,7 @@ Usage (H200, repo root; peers from the carried wheels, see ../shared/tools/fetch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -197,7 +200,8 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         fp8 = stack.startswith("fasttune-fp8")
         report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen,
                                                residual_norms=not args.no_residual_norms,
-                                               base_dtype="fp8" if fp8 else "auto"))
+                                               base_dtype="fp8" if fp8 else "auto",
+                                               attention_stash=args.attention_stash and mode != "recompute"))
         log("    " + str(report).replace("\n", "\n    "))
         n = shape["num_hidden_layers"]
         ops = ("lora_qkv", "lora_o", "lora_mlp") + (tuple("fp8_" + p for p in LORA_TARGETS) if fp8 else ())
@@ -472,10 +476,16 @@ def worker(stack: str, args) -> None:
                 if stack.startswith("fasttune"):
                     from fasttune.model_patches.checkpointing import layer_checkpointing
 
-                    decision = getattr(layer_checkpointing(model), "decision", None)  # no local ref to the model
+                    state = layer_checkpointing(model)
+                    decision = getattr(state, "decision", None)  # no local ref to the model
                     if decision is not None:
                         row["auto"] = str(decision)
                         log(f"    {row['auto']}")
+                    if getattr(state, "stash", None) is not None:
+                        row["stash"] = dataclasses.asdict(state.stash.stats)
+                        row["offload"] = dataclasses.asdict(state.checkpointer.stats)
+                        log(f"    stash {row['stash']}; offload {row['offload']}")
+                    del state
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
                 if stack in args.host_profile:
@@ -513,6 +523,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
+        + (["--attention-stash"] if args.attention_stash else []) \
         + ["--gc", args.gc]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
@@ -596,6 +607,8 @@ def parse_args(argv=None):
                    help="GPU memory the fasttune-auto process may use (weights included)")
     p.add_argument("--no-lora-widen", action="store_true",
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
+    p.add_argument("--attention-stash", action="store_true",
+                   help="fasttune offload/auto stacks with FastConfig(attention_stash=True)")
     p.add_argument("--no-residual-norms", action="store_true",
                    help="fasttune stacks with FastConfig(residual_norms=False): the residual adds as their own kernels")
     p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..config import FastConfig
+from . import attention_stash
 from .families import FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, few_rows_without_grad, stock_forward, swap_forward
 from .report import PatchReport
@@ -146,6 +147,23 @@ class FastAttentionForward(PatchedForward):
             # By name: Qwen2-VL's attention takes (hidden_states, attention_mask, position_ids, ...).
             return self.stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                               **kwargs)
+        stash = attention_stash.current()
+        if stash is not None and self._stashable(m, cache):
+            core_bytes = 4 * hidden_states.numel() * hidden_states.element_size()  # x, q, k+v, output (≤ hidden each)
+            attn_output, attn_weights = stash.run(
+                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs), core_bytes, m)
+        else:
+            attn_output, attn_weights = self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+        return self.project_o(m, attn_output), attn_weights
+
+    @staticmethod
+    def _stashable(m: nn.Module, cache) -> bool:
+        """May this call's core go to the attention stash (attention_stash.py says why not otherwise)?"""
+        return (cache is None and m.config._attn_implementation not in (None, "eager")
+                and not (m.training and m.attention_dropout))
+
+    def _core(self, m, hidden_states, position_embeddings, attention_mask, cache, kwargs):
+        """Projections, q/k norms, RoPE, cache update and attention: (output [..., heads*head_dim], weights)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
 
@@ -174,8 +192,7 @@ class FastAttentionForward(PatchedForward):
             **self._extra_kwargs(m),
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.project_o(m, attn_output), attn_weights
+        return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
 
 def _rope_fits(q, k, cos, sin) -> bool:

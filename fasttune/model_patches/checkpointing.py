@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import FastConfig
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
+from .attention_stash import LayerStash, StashChain
 from .offload import OffloadedCheckpointer
 from .report import PatchReport
 
@@ -81,19 +82,23 @@ class ForwardThenRecompute:
     """The function handed to ``checkpoint``: its first call is the forward, every later call a
     recompute (run with ``recomputing()`` True)."""
 
-    def __init__(self, stock):
+    def __init__(self, stock, stash: LayerStash | None = None):
         self.stock = stock
         self.calls = 0
+        self.stash = stash  # the layer call's attention stash (attention_stash.py), if it has one
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        if self.calls == 1:
-            return self.stock(*args, **kwargs)
-        token = _RECOMPUTING.set(True)
+        recompute = self.calls > 1
+        stash_token = self.stash.begin(recompute) if self.stash is not None else None
+        token = _RECOMPUTING.set(True) if recompute else None
         try:
             return self.stock(*args, **kwargs)
         finally:
-            _RECOMPUTING.reset(token)
+            if token is not None:
+                _RECOMPUTING.reset(token)
+            if stash_token is not None:
+                LayerStash.end(stash_token)
 
 
 def resident_layers(n_layers: int, layer_bytes: int, budget_bytes: int | None, working_bytes: int = 0) -> int:
@@ -238,6 +243,7 @@ class LayerCheckpointing:
         mode: "recompute", "offload" or "auto".
         n_layers: decoder layers wrapped.
         checkpointer: the ``OffloadedCheckpointer`` (offload and auto).
+        stash: the ``StashChain`` of ``FastConfig.attention_stash`` (offload and auto), else None.
         policy: the ``AutoPolicy`` (auto only).
         resident: layers [0, resident) run resident in the current forward (auto).
     """
@@ -247,6 +253,7 @@ class LayerCheckpointing:
         self.base = base
         self.n_layers = n_layers
         self.checkpointer = OffloadedCheckpointer() if mode in ("offload", "auto") else None
+        self.stash = StashChain(self.checkpointer) if self.checkpointer is not None and config.attention_stash else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
         self._hf_flags: list[nn.Module] = []
@@ -336,11 +343,13 @@ class CheckpointedLayerForward(PatchedForward):
         if how == RESIDENT:
             return self.stock(hidden, *args, **kwargs)
         kwargs = self._without_cache(kwargs)
-        fn = ForwardThenRecompute(self.stock)
         if how == OFFLOAD:
+            stash = self.state.stash
+            fn = ForwardThenRecompute(self.stock, stash.new_layer() if stash is not None else None)
             with self.state.checkpointer.offloading(hidden):
                 return checkpoint(fn, hidden, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        return checkpoint(fn, hidden, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(ForwardThenRecompute(self.stock), hidden, *args, use_reentrant=False, preserve_rng_state=True,
+                          **kwargs)
 
     def _plan_and_run(self, hidden: torch.Tensor, args: tuple, kwargs: dict):
         """Layer 0 under "auto": decide how many layers stay resident in this forward (measuring if needed)."""

@@ -223,8 +223,11 @@ class OffloadedCheckpointer:
         return stream
 
     # -- pack / unpack ---------------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> OffloadedTensor:
+    def pack(self, tensor: torch.Tensor, chain: bool = True) -> OffloadedTensor:
         """Start copying ``tensor`` to a host buffer; return the handle ``unpack`` takes.
+
+        ``chain=False``: outside the layer-input chain (no prefetch link, no device original kept);
+        the caller fetches it with ``fetch_ahead`` and takes it with ``take`` (the attention stash).
 
         Raises:
             TypeError: ``tensor`` is not a tensor.
@@ -247,6 +250,8 @@ class OffloadedCheckpointer:
         else:
             packed.host.copy_(tensor)
         self.stats.packed += 1
+        if not chain:
+            return packed
         last = self._last() if self._last is not None else None
         if last is not None:
             if not last.fetched:
@@ -281,6 +286,28 @@ class OffloadedCheckpointer:
         if below is not None and below.on_device is None:
             self.stats.prefetched += 1
             self._fetch(below)
+        return tensor
+
+    def fetch_ahead(self, packed: OffloadedTensor) -> None:
+        """Start bringing ``packed`` back to its device unless a copy is there already."""
+        if packed.on_device is None:
+            self.stats.prefetched += 1
+            self._fetch(packed)
+
+    def take(self, packed: OffloadedTensor, keep: bool = False) -> torch.Tensor:
+        """The device copy of ``packed`` (fetched on the spot when no prefetch made one), ready to use on
+        the current stream. ``keep``: ``packed`` holds on to the copy for a later ``take``."""
+        if packed.on_device is None:
+            self.stats.misses += 1
+            self._fetch(packed)
+        else:
+            self.stats.prefetch_hits += 1
+        tensor, ready, compute = packed.on_device, packed.ready, packed.compute
+        if ready is not None:
+            compute.wait_event(ready)
+        if not keep:
+            packed.on_device = packed.ready = packed.compute = None
+            packed.fetched = False
         return tensor
 
     def _fetch(self, packed: OffloadedTensor) -> None:

@@ -1,0 +1,370 @@
+"""The attention stash: an offloaded layer's attention core kept in host memory, not recomputed.
+
+With checkpointing "offload" (and the offloaded layers of "auto") a decoder layer is recomputed
+whole in backward. Its attention core (the q/k/v projections with their LoRA terms, the q/k norms,
+RoPE and the attention function) costs a third of that recompute on an 8B model and saves about
+five hidden-sized tensors, which the host link can move while the GPU computes. With
+``FastConfig.attention_stash``:
+
+- forward: the core runs under saved-tensor hooks of its own, nested inside the checkpoint's. What
+  its autograd nodes save (the projections' input and rank-r products, q/k/v as the attention takes
+  them, the attention output) is copied to pinned host memory on the offload side stream, from the
+  checkpointer's pool, and so is the core's output (usually the same memory as the saved attention
+  output: one copy serves both). The checkpoint never sees those tensors.
+- recompute: the core is skipped; its output comes back from the host. The checkpoint's count of
+  saved tensors still matches, since the core saved nothing through the checkpoint in either pass.
+- backward: the core's own nodes from the forward run on the tensors brought back. When layer i's
+  recompute takes its output back, the copies of layer i's saved tensors and of layer i-1's output
+  start, so they overlap the MLP's recompute and backward.
+
+The nodes of the forward run on bitwise copies of what they saved: gradients equal those of a run
+without checkpointing. Kept on the GPU as they are (held by the graph, as without the stash):
+tensors that are not activations in the graph (frozen weights, cos/sin, masks, a log-sum-exp:
+anything that does not require grad or is a leaf), views of parameters (full fine-tuning), small
+ones (< 1 MiB) and ones whose memory has gaps.
+
+Host memory: about 0.2 GiB per layer at 8,192 tokens of an 8B model (q, k, v, the attention output,
+the projections' input). A core that would take the stash past its budget (half the host memory
+available when a forward's stash was empty, plus the pool's free pinned buffers) is recomputed as
+usual, and the forward's first such layer is logged. The link is a budget too: while the copies of the
+core stashed two cores before are still running, the next core is recomputed as usual instead, so
+the copies waiting on the GPU stay within about two layers' worth. Not stashed: eager attention (it saves the
+[S, S] probabilities), attention dropout in training (skipping the core would shift the RNG for
+what follows), a KV cache, a core called more than once in one layer call (the first call is).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .offload import OffloadedCheckpointer
+
+logger = logging.getLogger("fasttune")
+
+MIN_BYTES = 1 << 20
+LINK_LAG = 2  # stashed cores whose copies may still be on their way when the next core starts
+STORAGE_SLACK = 2  # a saved view's whole storage is copied when it is at most this many times the view
+HOST_SHARE = 0.5  # of the memory available to the process when a forward starts stashing
+
+_CURRENT = contextvars.ContextVar("fasttune_attention_stash", default=None)
+
+
+def current() -> "LayerStash | None":
+    """The stash of the checkpointed layer call running now (forward or recompute), or None."""
+    return _CURRENT.get()
+
+
+def available_host_bytes() -> int | None:
+    """Memory the system can still hand out (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class StashStats:
+    """Counters, for tests and benchmarks.
+
+    Attributes:
+        cores_stashed: cores whose saved tensors went to the host (forward).
+        cores_skipped: recomputes that took a core's output back instead of running it.
+        cores_over_budget: cores run and recomputed as usual because the host budget was full.
+        cores_link_busy: cores run and recomputed as usual because the host link was behind.
+        blocks: host copies made; bytes: their size.
+    """
+
+    cores_stashed: int = 0
+    cores_skipped: int = 0
+    cores_over_budget: int = 0
+    cores_link_busy: int = 0
+    blocks: int = 0
+    bytes: int = 0
+
+
+class StashChain:
+    """Per-model state: the checkpointer whose pool and side stream carry the copies, the budget,
+    the bytes on the host now, and the last layer stash made (for the prefetch of the one below)."""
+
+    def __init__(self, checkpointer: OffloadedCheckpointer, budget_bytes: int | None = None):
+        self.checkpointer = checkpointer
+        self.fixed_budget = budget_bytes  # tests pin it; None: measured when the stash is empty
+        self.budget: int | None = None
+        self.stats = StashStats()
+        self.min_bytes = MIN_BYTES  # smaller saved tensors stay on the device (tests lower it)
+        self.host_bytes = 0
+        self.last: weakref.ref | None = None
+        self._copies: collections.deque = collections.deque(maxlen=LINK_LAG)
+        self._lock = threading.Lock()
+        self._warned_budget = False
+
+    def new_layer(self) -> "LayerStash":
+        """The stash of one checkpointed layer call (held by that call's recompute function)."""
+        stash = LayerStash(self, self.last)
+        self.last = weakref.ref(stash)
+        return stash
+
+    def link_busy(self) -> bool:
+        """The host link is behind: the copies of the core stashed ``LINK_LAG`` cores ago are not done.
+
+        Then this core is recomputed instead, so the copies waiting on the GPU stay within a couple
+        of layers' worth whatever the link's rate (the stash takes what the link can carry)."""
+        if len(self._copies) < LINK_LAG or self._copies[0].query():
+            return False
+        self.stats.cores_link_busy += 1
+        return True
+
+    def copies_queued(self, device: torch.device) -> None:
+        """Mark the end of a stashed core's copies on the side stream (CUDA; copies are synchronous on CPU)."""
+        if device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(self.checkpointer.side_stream(device))
+        self._copies.append(event)
+
+    def admit(self, core_bytes: int) -> bool:
+        """May one more core of ``core_bytes`` go to the host?"""
+        with self._lock:
+            if self.host_bytes == 0 or self.budget is None:
+                self.budget = self._measure_budget()
+            ok = self.budget is not None and self.host_bytes + core_bytes <= self.budget
+        if not ok:
+            self.stats.cores_over_budget += 1
+            if not self._warned_budget:
+                self._warned_budget = True
+                logger.info("fasttune: attention stash full (%.1f of %.1f GiB host memory): further layers' attention "
+                            "is recomputed", self.host_bytes / 2**30, (self.budget or 0) / 2**30)
+        return ok
+
+    def _measure_budget(self) -> int | None:
+        if self.fixed_budget is not None:
+            return self.fixed_budget
+        avail = available_host_bytes()
+        if avail is None:
+            return None
+        return int(avail * HOST_SHARE) + self.checkpointer.pool.bytes_free
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.host_bytes += nbytes
+
+
+class StashedBlock:
+    """A flat run of device memory copied to the host; taken back once per use recorded.
+
+    The device copy is kept between the takes of one backward (the core's output and the saved
+    attention output are one block) and dropped at the last; a second backward takes it again.
+    """
+
+    __slots__ = ("chain", "packed", "nbytes", "uses", "left", "__weakref__")
+
+    def __init__(self, chain: StashChain, flat: torch.Tensor):
+        self.chain = chain
+        self.packed = chain.checkpointer.pack(flat, chain=False)  # flat: uint8
+        self.nbytes = flat.numel()
+        self.uses = self.left = 0
+        chain._count(self.nbytes)
+        chain.stats.blocks += 1
+        chain.stats.bytes += self.nbytes
+
+    def __del__(self):
+        chain = getattr(self, "chain", None)
+        if chain is not None:
+            chain._count(-self.nbytes)
+
+    def add_use(self) -> None:
+        self.uses += 1
+        self.left += 1
+
+    def prefetch(self) -> None:
+        self.chain.checkpointer.fetch_ahead(self.packed)
+
+    def take(self) -> torch.Tensor:
+        self.left -= 1
+        keep = self.left > 0
+        if not keep:
+            self.left = self.uses
+        return self.chain.checkpointer.take(self.packed, keep=keep)
+
+
+class StashedRef:
+    """One saved tensor: its block (bytes) and where it sits in it (in elements of its dtype)."""
+
+    __slots__ = ("block", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, block: StashedBlock, dtype: torch.dtype, shape, stride, offset: int):
+        self.block, self.dtype, self.shape, self.stride, self.offset = block, dtype, shape, stride, offset
+        block.add_use()
+
+    def get(self) -> torch.Tensor:
+        raw = self.block.take()
+        size = self.dtype.itemsize
+        flat = raw[: raw.numel() - raw.numel() % size].view(self.dtype)  # the storage may end mid-element
+        return flat.as_strided(self.shape, self.stride, self.offset)
+
+
+def _storages(params) -> set[int]:
+    ptrs = set()
+    for p in params:
+        try:
+            ptrs.add(p.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            pass
+    return ptrs
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from the tensor's first to its last one in memory (its numel when it has no gaps)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+
+
+class LayerStash:
+    """The stash of one checkpointed layer call: the cores it ran (usually one) and their blocks."""
+
+    def __init__(self, chain: StashChain, prev: weakref.ref | None):
+        self.chain = chain
+        self.prev = prev
+        self.recompute = False
+        self.calls = 0
+        self.plan: list[StashedRef | None] = []  # per core call: its output's ref, or None (run as usual)
+        self.grad: list[bool | None] = []  # per core call: its output required grad
+        self.blocks: dict[tuple, StashedBlock] = {}
+        self._alive: list[torch.Tensor] | None = None
+        self._param_storages: set[int] | None = None
+
+    def begin(self, recompute: bool) -> contextvars.Token:
+        """Enter a pass of the layer call (its forward or a recompute)."""
+        self.recompute = recompute
+        self.calls = 0
+        return _CURRENT.set(self)
+
+    @staticmethod
+    def end(token: contextvars.Token) -> None:
+        _CURRENT.reset(token)
+
+    def run(self, core: Callable[[], tuple], core_bytes: int, module: torch.nn.Module):
+        """Run ``core`` (returns (output, extra)) stashed, as usual, or not at all (a recompute
+        whose core was stashed: the output comes back from the host, extra is None).
+
+        ``core_bytes``: what the core will stash, estimated; ``module``: the one whose parameters
+        the core uses (their views stay where they are)."""
+        index, self.calls = self.calls, self.calls + 1
+        if self.recompute:
+            ref = self.plan[index] if index < len(self.plan) else None
+            if ref is None:
+                return core()
+            out = ref.get()
+            if self.grad[index]:  # as in forward, so what follows saves the same tensors (linear saves W for dX)
+                out = out.detach().requires_grad_()
+            self.chain.stats.cores_skipped += 1
+            for block in self.blocks.values():  # this layer's backward needs them next
+                block.prefetch()
+            below = self.prev() if self.prev is not None else None
+            if below is not None:
+                for ref_below in below.plan:
+                    if ref_below is not None:
+                        ref_below.block.prefetch()
+            return out, None
+        if index > 0 or self.chain.link_busy() or not self.chain.admit(core_bytes):
+            self.plan.append(None)
+            self.grad.append(None)
+            return core()
+        self._param_storages = _storages(module.parameters())
+        self._alive = []
+        try:
+            with StashHooks(self):
+                out, extra = core()
+            ref = self.ref(out, force=True)
+        finally:
+            self._alive = None
+        if ref is None:  # the core's output is a plain contiguous tensor (attention.py); anything else is a bug
+            raise RuntimeError(f"attention stash: the core's output {type(out).__name__} {tuple(out.stride())} "
+                               "cannot be copied flat")
+        self.plan.append(ref)
+        self.grad.append(out.requires_grad)
+        self.chain.copies_queued(out.device)
+        self.chain.stats.cores_stashed += 1
+        return out, extra
+
+    def ref(self, t: torch.Tensor, force: bool = False):
+        """A ``StashedRef`` for ``t`` when it goes to the host (``force``: whatever its kind), else None.
+
+        A block is the tensor's whole storage, shared by every saved view of it (q, k and v are
+        column slices of one fused product: one copy), unless the storage is much larger than the
+        tensor (then its span, when that has no gaps)."""
+        if t.device.type not in ("cuda", "cpu") or (type(t) is not torch.Tensor and not force):
+            return None  # tensor subclasses (DTensor, quantised weights) stay as they are
+        if any(s < 0 for s in t.stride()) or t.numel() == 0:
+            return None
+        nbytes = t.numel() * t.element_size()
+        if not force:
+            if nbytes < self.chain.min_bytes or not t.requires_grad or t.is_leaf:
+                return None
+            if t.untyped_storage().data_ptr() in self._param_storages:
+                return None
+        detached = t.detach()
+        storage = detached.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        block = self.blocks.get(key)
+        if block is None and storage.nbytes() <= STORAGE_SLACK * nbytes:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            block = self._new_block(key, flat, detached)
+        if block is not None:  # offsets in bytes from the storage's start
+            return StashedRef(block, t.dtype, tuple(t.shape), tuple(t.stride()), detached.storage_offset())
+        if _span(t) != t.numel():
+            return None  # gaps in a large storage: the span would move bytes nobody saved
+        key = (t.device, storage.data_ptr() + detached.storage_offset() * t.element_size(), t.numel(), t.dtype)
+        block = self.blocks.get(key)
+        if block is None:
+            flat = detached.as_strided((t.numel(),), (1,), detached.storage_offset()).view(torch.uint8)
+            block = self._new_block(key, flat, detached)
+        return StashedRef(block, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
+
+    def _new_block(self, key, flat: torch.Tensor, owner: torch.Tensor) -> "StashedBlock":
+        block = self.blocks[key] = StashedBlock(self.chain, flat)
+        # Held until the core ends, so no later tensor of the core gets this address (and this key).
+        self._alive.append(owner)
+        return block
+
+
+class StashHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks of a stashed core: activations go to the host, everything else stays."""
+
+    def __init__(self, stash: LayerStash):
+        self.stash = stash
+        super().__init__(self._pack, self._unpack)
+
+    def __exit__(self, *exc):
+        self.stash = None  # the hooks and their bound pack method form a cycle: it must not hold the blocks
+        return super().__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor):
+        ref = self.stash.ref(tensor)
+        # detach: returning a saved output itself would make a reference cycle through its grad_fn
+        return ref if ref is not None else tensor.detach()
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.get() if isinstance(saved, StashedRef) else saved
+
+
+__all__ = ["LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef", "available_host_bytes",
+           "current"]

@@ -1,0 +1,193 @@
+"""The attention stash (``FastConfig.attention_stash``): an offloaded layer's attention core keeps its
+saved tensors in host memory and is skipped in the recompute.
+
+Gradients are compared with ``torch.equal`` against a run without checkpointing: the core's own
+nodes run in backward on exact copies of what they saved. Tiny models save tensors far below the
+stash's 1 MiB floor, so each test lowers it to 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasttune.config import FastConfig
+from fasttune.model_patches import patch_model
+from fasttune.model_patches.checkpointing import layer_checkpointing
+from helpers.tiny_models import make_batch, tiny_model
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(model_type="llama", device="cpu", dtype=torch.float32, lora=True, attn="sdpa", **overrides):
+    model = tiny_model(model_type, dtype=dtype, seed=0, **overrides)
+    model.set_attn_implementation(attn)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if model_type == "phi3" else LORA_TARGETS
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                                 init_lora_weights=False))
+    return model.to(device).train()
+
+
+def _step(model, batch, backward_kw=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = model(**batch).loss
+    loss.backward(**(backward_kw or {}))
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _stashed(model, mode="offload", budget=None, **config):
+    patch_model(model, FastConfig(checkpointing=mode, attention_stash=True, **config))
+    chain = layer_checkpointing(model).stash
+    chain.min_bytes = 0
+    chain.fixed_budget = budget
+    return chain
+
+
+def _assert_same(got, ref):
+    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
+    assert got[1].keys() == ref[1].keys() and got[1]
+    bad = [n for n in ref[1] if not torch.equal(got[1][n], ref[1][n])]
+    assert not bad, f"gradients differ bitwise: {bad[:4]}"
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "olmo2"])
+def test_bitwise_equal_to_no_checkpointing_and_the_core_is_not_recomputed(model_type, lora):
+    """q/k norms over heads (Qwen3) or the whole projection (OLMo2), a fused qkv (Phi-3), every kernel on."""
+    batch = make_batch(tiny_model(model_type).config.vocab_size, seed=0)
+    reference = _model(model_type, lora=lora)
+    patch_model(reference, FastConfig())
+    ref = _step(reference, batch)
+    model = _model(model_type, lora=lora)
+    chain = _stashed(model)
+    got = _step(model, batch)
+    _assert_same(got, ref)
+    layers = model.config.num_hidden_layers
+    assert chain.stats.cores_stashed == layers and chain.stats.cores_skipped == layers, chain.stats
+    assert chain.stats.blocks > layers  # the saved tensors went too, not only the core's output
+
+
+def test_the_core_is_skipped_in_the_recompute(monkeypatch):
+    """The q/k/v projections run once per layer (forward), not again in backward."""
+    from fasttune.model_patches import attention
+
+    calls = []
+    real = attention.FastAttentionForward._core
+    monkeypatch.setattr(attention.FastAttentionForward, "_core",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    model = _model()
+    _stashed(model)
+    _step(model, make_batch(model.config.vocab_size, seed=3))
+    assert len(calls) == model.config.num_hidden_layers
+
+
+def test_host_memory_comes_back_after_each_backward():
+    model = _model()
+    chain = _stashed(model)
+    batch = make_batch(model.config.vocab_size, seed=4)
+    first = _step(model, batch)
+    assert chain.host_bytes == 0, "blocks outlived the backward"
+    pool = layer_checkpointing(model).checkpointer.pool
+    for _ in range(2):
+        _assert_same(_step(model, batch), first)
+        assert chain.host_bytes == 0
+        assert pool.bytes_in_use == 0 and pool.bytes_total <= pool.peak_bytes_in_use
+
+
+def test_a_second_backward_through_a_retained_graph():
+    batch = make_batch(_model().config.vocab_size, seed=5)
+    reference, model = _model(), _model()
+    once = dict(cross_entropy=False, lora=False, mlp=False)  # kernels whose backward runs once (they say so)
+    patch_model(reference, FastConfig(**once))
+    chain = _stashed(model, **once)
+    results = []
+    for m in (reference, model):
+        m.zero_grad(set_to_none=True)
+        loss = m(**batch).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}))
+    _assert_same(results[1], results[0])
+    assert chain.stats.cores_skipped == 2 * chain.stats.cores_stashed == 2 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("budget_layers", [0, 1])
+def test_past_the_host_budget_layers_are_recomputed_exactly(budget_layers, caplog):
+    batch = make_batch(_model().config.vocab_size, seed=6)
+    reference = _model()
+    patch_model(reference, FastConfig())
+    ref = _step(reference, batch)
+    probe = _model()
+    probe_chain = _stashed(probe)
+    probe(**batch).loss.backward()
+    one_core = probe_chain.stats.bytes // probe.config.num_hidden_layers
+    model = _model()
+    chain = _stashed(model, budget=budget_layers * one_core + one_core // 2)
+    with caplog.at_level("INFO", logger="fasttune"):
+        got = _step(model, batch)
+    _assert_same(got, ref)
+    layers = model.config.num_hidden_layers
+    assert chain.stats.cores_stashed == budget_layers
+    assert chain.stats.cores_over_budget == layers - budget_layers
+    assert "attention stash full" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["eager", "dropout"])
+def test_eager_attention_and_attention_dropout_are_recomputed(case):
+    """Eager attention saves [S, S] probabilities; dropout's RNG would shift if the core were skipped."""
+    kw = dict(attn="eager") if case == "eager" else dict(attention_dropout=0.2)
+    batch = make_batch(_model().config.vocab_size, seed=7)
+    reference, model = _model(**kw), _model(**kw)
+    patch_model(reference, FastConfig())
+    chain = _stashed(model)
+    _assert_same(_step(model, batch), _step(reference, batch))
+    assert chain.stats.cores_stashed == 0
+
+
+def test_auto_stashes_the_offloaded_layers():
+    """"auto" on a CPU without a budget: layer 0 runs resident once (measured), the rest are offloaded."""
+    batch = make_batch(_model().config.vocab_size, seed=8)
+    reference, model = _model(), _model()
+    patch_model(reference, FastConfig())
+    chain = _stashed(model, mode="auto")
+    _assert_same(_step(model, batch), _step(reference, batch))
+    assert chain.stats.cores_stashed == model.config.num_hidden_layers - 1
+
+
+def test_recompute_mode_refuses_it():
+    with pytest.raises(ValueError, match="attention_stash"):
+        FastConfig(checkpointing="recompute", attention_stash=True)
+
+
+@pytest.fixture
+def deterministic():
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_cuda_bitwise_equal_with_pinned_copies_on_the_side_stream(deterministic, model_type, dtype):
+    batch = make_batch(tiny_model(model_type).config.vocab_size, batch=4, seq=257, seed=9, device="cuda")
+    kw = dict(dtype=dtype, num_hidden_layers=4, hidden_size=256, intermediate_size=512)
+    reference, model = _model(model_type, "cuda", **kw), _model(model_type, "cuda", **kw)
+    patch_model(reference, FastConfig())
+    chain = _stashed(model)
+    ref = _step(reference, batch)
+    for _ in range(2):
+        _assert_same(_step(model, batch), ref)
+    torch.cuda.synchronize()
+    state = layer_checkpointing(model)
+    assert state.checkpointer.pool.pin and chain.host_bytes == 0
+    stats = chain.stats
+    assert stats.cores_stashed == stats.cores_skipped >= 1, stats
+    assert stats.cores_stashed + stats.cores_link_busy == 2 * model.config.num_hidden_layers, stats
+    # Each step's first recompute (the last layer) takes its core's output on the spot; the rest was fetched ahead.
+    assert state.checkpointer.stats.misses <= 2 * 2, state.checkpointer.stats
