@@ -32,6 +32,7 @@ Usage (H200, repo root; Unsloth from the carried wheels, see ../shared/tools/fet
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -176,10 +177,24 @@ def prepare(stack: str, config, args, log):
 
     base = build_model(config)
     writer = next((s for s in args.all_stacks if s != "unsloth"), None)  # the first stack to run writes it
-    if args.ckpt_dir and "unsloth" in args.all_stacks and stack == writer:
+    if args.ckpt_dir and (args.from_checkpoint or "unsloth" in args.all_stacks and stack == writer):
         t0 = time.perf_counter()
         save_checkpoint(base, args.ckpt_dir)
-        log(f"    checkpoint for unsloth at {args.ckpt_dir} ({time.perf_counter() - t0:.0f} s)")
+        log(f"    checkpoint at {args.ckpt_dir} ({time.perf_counter() - t0:.0f} s)")
+    if args.from_checkpoint:  # as a user (and Unsloth) would: from the saved bf16 weights, not a random init
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        del base
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        dtype = torch.bfloat16 if device() == "cuda" else torch.float32
+        base = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.ckpt_dir, dtype=dtype, attn_implementation="sdpa",
+                                                                  device_map=device())
+        base.requires_grad_(False)
+    if torch.cuda.is_available():
+        log(f"    weights ready: {torch.cuda.memory_allocated() / GIB:.2f} GiB allocated, "
+            f"{torch.cuda.memory_reserved() / GIB:.2f} GiB reserved")
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
                                             target_modules=LANGUAGE_TARGETS))
     if stack == "hf":
@@ -233,6 +248,7 @@ def measure(model, batch: dict, args) -> dict:
     for _ in range(args.warmup - 1):
         step()
     sync()
+    warmup_peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -247,7 +263,8 @@ def measure(model, batch: dict, args) -> dict:
     return dict(ms=round(ms, 1), tokens_per_s=round(tokens / (ms / 1e3)), loss_step1=round(loss0, 4),
                 peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
                 peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
-                times_ms=[round(t * 1e3, 1) for t in times])
+                times_ms=[round(t * 1e3, 1) for t in times],
+                warmup_peak_allocated_gib=None if warmup_peak is None else round(warmup_peak, 2))
 
 
 def worker(stack: str, args) -> None:
@@ -288,7 +305,8 @@ def fmt(row: dict, by: dict) -> str:
           if ref != row["stack"] and "tokens_per_s" in by.get(ref, {})]
     return (f"{row['stack']:<20} {row['tokens_per_s']:>8} tok/s  peak allocated {gib(row['peak_allocated_gib'])} GiB  "
             f"peak reserved {gib(row['peak_reserved_gib'])} GiB  loss {row['loss_step1']}"
-            + (f"  ({', '.join(vs)})" if vs else ""))
+            + (f"  ({', '.join(vs)})" if vs else "")
+            + f"  [warm-up peak allocated {gib(row.get('warmup_peak_allocated_gib'))} GiB]")
 
 
 def parse_args(argv=None):
@@ -303,6 +321,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"),
                    help="the 'fasttune' stack's checkpointing mode")
     p.add_argument("--ckpt-dir", default=None, help="where the hf worker saves the random model for unsloth")
+    p.add_argument("--from-checkpoint", action="store_true",
+                   help="hf/fasttune stacks load the saved checkpoint (written first if absent) instead of using "
+                        "the random init in place")
     p.add_argument("--stack-timeout-s", type=int, default=540, help="seconds per stack's process")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")

@@ -8,11 +8,7 @@ physical pages into one growing virtual range per stream, so freed pages are reu
 size asked next (torch's ``expandable_segments`` setting; Unsloth turns it on at import).
 
 The switch is applied when a model is patched on a machine with CUDA, for allocations made from
-then on. Fixed segments cached before it (loading, a ``save_pretrained``, an earlier run) whose
-blocks are all free go back to the driver at that moment (``torch.cuda.empty_cache()``): left
-cached, they count in the reserve for the whole run and serve only the sizes that fit them (a
-Qwen2.5-VL-7B step reserved 24.4 GiB for 17.8 GiB allocated after the benchmark had saved its
-checkpoint before patching). A user's own choice wins: ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` naming
+then on. A user's own choice wins: ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` naming
 ``expandable_segments`` (either way) is left alone, so is a multi-process run (``WORLD_SIZE`` > 1:
 NCCL and CUDA IPC buffers were not measured under the switch here), and ``FastConfig(cuda_expandable_segments=False)``
 turns the switch off. Unpatching restores the previous setting.
@@ -71,12 +67,6 @@ def set_expandable(on: bool) -> None:
         torch.cuda.memory._set_allocator_settings(value)
 
 
-def release_cached_segments() -> None:
-    """Hand the cached, wholly free segments back to the driver (the fixed ones made before the switch)."""
-    if torch.cuda.is_initialized():  # nothing cached otherwise; and no CUDA context made just for this
-        torch.cuda.empty_cache()
-
-
 def use_expandable_segments(base: nn.Module, spec: FamilySpec | None, classes: dict, config: FastConfig,
                             report: PatchReport) -> None:
     """Patcher: turn expandable segments on (see the module docstring), recorded in the report."""
@@ -101,7 +91,6 @@ def use_expandable_segments(base: nn.Module, spec: FamilySpec | None, classes: d
             logger.warning("fasttune: expandable segments unavailable (%s): long runs may fragment the reserve",
                            err)
             return
-        release_cached_segments()
     _holders[0] += 1
     report.add(OP)
     report.on_undo(_release)
@@ -109,4 +98,4 @@ def use_expandable_segments(base: nn.Module, spec: FamilySpec | None, classes: d
         logger.info("fasttune: CUDA allocator switched to expandable segments (FastConfig.cuda_expandable_segments)")
 
 
-__all__ = ["use_expandable_segments", "release_cached_segments", "set_expandable", "current_settings", "user_setting"]
+__all__ = ["use_expandable_segments", "set_expandable", "current_settings", "user_setting"]

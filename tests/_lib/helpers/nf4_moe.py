@@ -16,7 +16,9 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # one MoE layer each (qwen3_moe's second layer is dense); hidden 128 for bitsandbytes' CPU path
 SHAPES = {
-    "qwen3_moe": dict(hidden_size=128, head_dim=32),
+    # The dense MLP layer's width a multiple of 32 too: on CPUs with AVX512-BF16, bitsandbytes repacks a
+    # Linear4bit's weight for its CPU kernel at the first eval forward and asserts out_features % 32 == 0.
+    "qwen3_moe": dict(hidden_size=128, head_dim=32, intermediate_size=256),
     "gpt_oss": dict(hidden_size=128, head_dim=32, num_hidden_layers=1, layer_types=["sliding_attention"]),
     "mixtral": dict(hidden_size=128, head_dim=32, num_hidden_layers=1),
 }
