@@ -60,6 +60,15 @@ def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture
+def deterministic():
+    """torch's deterministic algorithms for one test (bitwise comparisons on CUDA), then as before."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
 # Every buffer a kernel reads must have been written: the kernel and patched-model tests run with
 # freed memory poisoned and every uninitialised allocation filled with NaN (helpers/poison.py).
 _POISONED_DIRS = ("kernels", "model_patches")

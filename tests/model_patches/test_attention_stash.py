@@ -163,14 +163,6 @@ def test_recompute_mode_refuses_it():
         FastConfig(checkpointing="recompute", attention_stash=True)
 
 
-@pytest.fixture
-def deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])

@@ -377,14 +377,6 @@ def test_auto_without_a_budget_on_cpu_offloads_everything():
 
 # --- CUDA ---------------------------------------------------------------------------------------
 
-@pytest.fixture
-def deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["offload", "recompute", "auto"])
