@@ -327,7 +327,7 @@ class LayerStash:
         if block is None and storage.nbytes() <= STORAGE_SLACK * nbytes:
             flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             block = self._new_block(key, flat, detached)
-        if block is not None:  # offsets in bytes from the storage's start
+        if block is not None:  # the whole storage: the offset is the view's own, in elements of its dtype
             return StashedRef(block, t.dtype, tuple(t.shape), tuple(t.stride()), detached.storage_offset())
         if _span(t) != t.numel():
             return None  # gaps in a large storage: the span would move bytes nobody saved
