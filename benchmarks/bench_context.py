@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from allocator_segments import segment_summary  # noqa: E402 - benchmarks/ is on sys.path as the script dir
+
 GIB = 1 << 30
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 20,
@@ -139,31 +141,6 @@ def attempt(model, seq: int, vocab: int, pinned=None) -> dict:
 
 
 SEGMENTS = [False]  # --segments: summarise the allocator's segments after each attempt
-
-
-def segment_summary() -> dict:
-    """The allocator's mapped memory after a step, per stream: reserved, in use, free, the largest free range,
-    and free bytes by range size (where a reserve larger than the allocation sits)."""
-    out: dict = {}
-    for seg in torch.cuda.memory_snapshot():
-        row = out.setdefault(f"stream {seg['stream']:#x}" + (" (expandable)" if seg.get("is_expandable") else ""),
-                             dict(segments=0, reserved_gib=0.0, active_gib=0.0, free_gib=0.0, largest_free_mib=0.0,
-                                  free_by_size_gib={}))
-        row["segments"] += 1
-        row["reserved_gib"] += seg["total_size"] / GIB
-        row["active_gib"] += seg["active_size"] / GIB
-        for block in seg["blocks"]:
-            if block["state"] != "inactive":
-                continue
-            row["free_gib"] += block["size"] / GIB
-            row["largest_free_mib"] = max(row["largest_free_mib"], block["size"] / 2 ** 20)
-            bucket = next(f"<{b} MiB" for b in (2, 32, 256, 1024, 4096, 1 << 40) if block["size"] < b << 20)
-            row["free_by_size_gib"][bucket] = row["free_by_size_gib"].get(bucket, 0.0) + block["size"] / GIB
-    for row in out.values():
-        for k in ("reserved_gib", "active_gib", "free_gib", "largest_free_mib"):
-            row[k] = round(row[k], 2)
-        row["free_by_size_gib"] = {k: round(v, 2) for k, v in row["free_by_size_gib"].items()}
-    return out
 
 
 def search(run, cap_s: float, deadline: Deadline, log, start: int = START_LEN) -> dict:

@@ -49,6 +49,8 @@ if "--worker" in sys.argv and sys.argv[sys.argv.index("--worker") + 1:][:1] == [
 
 import torch  # noqa: E402
 
+from allocator_segments import segment_summary  # noqa: E402 - benchmarks/ is on sys.path as the script dir
+
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before fasttune's kernels are imported
 
@@ -195,6 +197,8 @@ def prepare(stack: str, config, args, log):
     if torch.cuda.is_available():
         log(f"    weights ready: {torch.cuda.memory_allocated() / GIB:.2f} GiB allocated, "
             f"{torch.cuda.memory_reserved() / GIB:.2f} GiB reserved")
+        if args.segments:
+            log(f"    segments at weights ready: {json.dumps(segment_summary())}")
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
                                             target_modules=LANGUAGE_TARGETS))
     if stack == "hf":
@@ -264,7 +268,8 @@ def measure(model, batch: dict, args) -> dict:
                 peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
                 peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
                 times_ms=[round(t * 1e3, 1) for t in times],
-                warmup_peak_allocated_gib=None if warmup_peak is None else round(warmup_peak, 2))
+                warmup_peak_allocated_gib=None if warmup_peak is None else round(warmup_peak, 2),
+                **({"segments": segment_summary()} if cuda and args.segments else {}))
 
 
 def worker(stack: str, args) -> None:
@@ -324,6 +329,9 @@ def parse_args(argv=None):
     p.add_argument("--from-checkpoint", action="store_true",
                    help="hf/fasttune stacks load the saved checkpoint (written first if absent) instead of using "
                         "the random init in place")
+    p.add_argument("--segments", action="store_true",
+                   help="log the allocator's segments (per stream: reserved, in use, free by size) at weights "
+                        "ready and after the timed steps")
     p.add_argument("--stack-timeout-s", type=int, default=540, help="seconds per stack's process")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")

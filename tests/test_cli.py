@@ -324,6 +324,7 @@ def test_a_sigkilled_run_reads_as_interrupted_and_resumes_from_its_last_checkpoi
     import signal
     import time
 
+    from fasttune.run.checkpoints import newest_complete
     from fasttune.run.folder import read_state
 
     config = tmp_path / "sft.yaml"
@@ -351,8 +352,12 @@ def test_a_sigkilled_run_reads_as_interrupted_and_resumes_from_its_last_checkpoi
     assert status.returncode == 0 and status.stdout.startswith("killed: interrupted, step ")
     again = _fasttune("train", config, "--run-dir", run)
     assert again.returncode == cli.EXIT_CONFIG and "already holds a run (interrupted" in again.stderr
-    checkpoint = read_state(run)["last_checkpoint"]
+    # --resume takes the newest complete checkpoint on disk: the kill can land after a checkpoint's
+    # marker is written and before state.json names it, so state.json may lag by one save.
+    newest, _ = newest_complete(run)
+    checkpoint = newest.name
     step = int(checkpoint.split("-")[1])
+    assert step >= int(read_state(run)["last_checkpoint"].split("-")[1])
     resumed = _fasttune("train", "--run-dir", run, "--resume", "--set", f"training.max_steps={step + 2}")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     state = read_state(run)
