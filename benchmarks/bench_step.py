@@ -362,13 +362,13 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
         wall_ms = (time.perf_counter() - t0) * 1e3
     import tempfile
 
-    from trace_gaps import gap_report
+    from trace_gaps import gap_report, stream_report
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(trace_dir or tmp, f"{label}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         prof.export_chrome_trace(path)
-        gaps = gap_report(path)
+        gaps = gap_report(path) + "\n" + stream_report(path)
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     averages = prof.key_averages()
     kernels_ms = sum(e.self_device_time_total for e in averages) / 1e3
@@ -483,8 +483,13 @@ def worker(stack: str, args) -> None:
                         log(f"    {row['auto']}")
                     if getattr(state, "stash", None) is not None:
                         row["stash"] = dataclasses.asdict(state.stash.stats)
+                        log(f"    stash {row['stash']}")
+                    if getattr(state, "checkpointer", None) is not None:
+                        pool = state.checkpointer.pool  # allocations: pinned buffers made (each a cudaHostAlloc)
                         row["offload"] = dataclasses.asdict(state.checkpointer.stats)
-                        log(f"    stash {row['stash']}; offload {row['offload']}")
+                        row["host_pool"] = dict(allocations=pool.allocations, peak_gib=round(pool.peak_bytes_in_use / GIB, 2),
+                                                held_gib=round(pool.bytes_total / GIB, 2))
+                        log(f"    offload {row['offload']}; host pool {row['host_pool']}")
                     del state
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)

@@ -4,7 +4,9 @@ A step = forward (bf16 autocast, as Trainer(bf16=True) runs it), backward and a 
 the adapters. Model: random-init Qwen2.5-VL-7B shape (language tower 28 layers, hidden 3,584,
 V = 152,064; vision tower 32 blocks, hidden 1,280, window attention), bf16 on the GPU, built from
 its config (no download). LoRA r=16, alpha 16, dropout 0 on the seven projections of every
-language layer (the vision tower frozen, as Unsloth's ``finetune_vision_layers=False``).
+language layer (the vision tower frozen, as Unsloth's ``finetune_vision_layers=False``). The first
+stack's worker saves the random model to ``--ckpt-dir`` (16 GB, reused); every stack then loads it
+from there, as a user loads a model (``--in-place-init``: hf and fasttune train the init in place).
 
 Each sample holds ``--images`` images of ``--image-size``² pixels (Qwen2.5-VL: 14-pixel patches
 merged 2×2 → (size/28)² image tokens each) and ``--text-tokens`` text tokens, the labels on the
@@ -20,8 +22,8 @@ Stacks (each in its own process: Unsloth patches transformers globally):
   fasttune    ``patch_model(model, FastConfig(checkpointing=--checkpointing))`` ("offload" default)
   fasttune-recompute  the same with checkpointing="recompute"
   unsloth     ``FastVisionModel.from_pretrained(dir)`` + ``get_peft_model(..., finetune_vision_layers=False,
-              use_gradient_checkpointing="unsloth")``: loads a checkpoint that the hf worker first
-              saves (random weights + an in-process processor) to ``--ckpt-dir`` (16 GB, reused).
+              use_gradient_checkpointing="unsloth")``: loads the saved checkpoint (random weights +
+              an in-process processor).
 A stack that fails (Unsloth missing, out of memory) prints its error on its line; the others run.
 
 Usage (H200, repo root; Unsloth from the carried wheels, see ../shared/tools/fetch_peer_wheels.sh):
@@ -177,16 +179,18 @@ def prepare(stack: str, config, args, log):
         return prepare_unsloth(args)
     from peft import LoraConfig, get_peft_model
 
-    base = build_model(config)
-    writer = next((s for s in args.all_stacks if s != "unsloth"), None)  # the first stack to run writes it
-    if args.ckpt_dir and (args.from_checkpoint or "unsloth" in args.all_stacks and stack == writer):
-        t0 = time.perf_counter()
-        save_checkpoint(base, args.ckpt_dir)
-        log(f"    checkpoint at {args.ckpt_dir} ({time.perf_counter() - t0:.0f} s)")
+    saved = bool(args.ckpt_dir) and os.path.exists(os.path.join(args.ckpt_dir, "config.json"))
+    if not (args.from_checkpoint and saved):
+        base = build_model(config)
+        writer = next((s for s in args.all_stacks if s != "unsloth"), None)  # the first stack to run writes it
+        if args.ckpt_dir and (args.from_checkpoint or "unsloth" in args.all_stacks and stack == writer):
+            t0 = time.perf_counter()
+            save_checkpoint(base, args.ckpt_dir)
+            log(f"    checkpoint at {args.ckpt_dir} ({time.perf_counter() - t0:.0f} s)")
     if args.from_checkpoint:  # as a user (and Unsloth) would: from the saved bf16 weights, not a random init
         from transformers import Qwen2_5_VLForConditionalGeneration
 
-        del base
+        base = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -326,9 +330,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"),
                    help="the 'fasttune' stack's checkpointing mode")
     p.add_argument("--ckpt-dir", default=None, help="where the hf worker saves the random model for unsloth")
-    p.add_argument("--from-checkpoint", action="store_true",
-                   help="hf/fasttune stacks load the saved checkpoint (written first if absent) instead of using "
-                        "the random init in place")
+    p.add_argument("--in-place-init", action="store_true",
+                   help="hf/fasttune stacks train the random init built in place on the GPU instead of loading the "
+                        "saved checkpoint as a user (and Unsloth) would; that build leaves ~6 GiB more reserved")
     p.add_argument("--segments", action="store_true",
                    help="log the allocator's segments (per stream: reserved, in use, free by size) at weights "
                         "ready and after the timed steps")
@@ -345,6 +349,7 @@ def parse_args(argv=None):
         p.error("--image-size must be a multiple of 28 (14-pixel patches merged 2x2)")
     if args.ckpt_dir is None:
         args.ckpt_dir = f"/tmp/fasttune_bench_vlm_{'smoke' if args.smoke else 'qwen25vl7b'}"
+    args.from_checkpoint = bool(args.ckpt_dir) and not args.in_place_init  # --ckpt-dir '': nothing to load
     args.passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
     return args
 

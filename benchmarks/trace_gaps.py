@@ -5,6 +5,9 @@ event with K's correlation id) started after the previous kernel had ended: the 
 is attributed to the outermost ``user_annotation`` range around the launch (``bench_step.py`` marks
 forward / backward / optimizer) and to the innermost CPU op that launched K.
 
+``stream_report`` looks at the compute stream alone: its gaps while copies on a side stream keep the GPU
+busy are waits (an event the stream waits on), not idle GPU time.
+
 Usage:  python3 benchmarks/trace_gaps.py TRACE.json [--top 15] [--min-us 20]
 """
 
@@ -76,6 +79,74 @@ def gap_report(trace, top: int = 15, min_us: float = 20.0) -> str:
     return "\n".join(lines)
 
 
+def stream_report(trace, min_us: float = 20.0, top_ops: int = 8) -> str:
+    """Busy time per CUDA stream, then the compute stream's own idle gaps (the stream with the most
+    kernel time, copies not counted): host-bound when the next kernel was launched after the stream went idle, else
+    waiting (the kernel sat queued behind an event wait, e.g. on a copy of another stream),
+    each by the op that launched the next kernel. GPU-wide gaps (``gap_report``) miss the waits:
+    a copy running on a side stream keeps the GPU busy while compute stands still."""
+    events = [e for e in _load(trace) if e.get("ph") == "X"]
+    by_stream = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    if not by_stream:
+        return "no GPU kernels in the trace"
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    op_starts = [e["ts"] for e in ops]
+    phases = [e for e in events if e.get("cat") == "user_annotation"]
+
+    def phase_of(ts):
+        outer = [p for p in phases if p["ts"] <= ts <= p["ts"] + p["dur"]]
+        return max(outer, key=lambda p: p["dur"])["name"] if outer else "-"
+
+    def busy(ks):
+        total, end = 0.0, None
+        for k in ks:
+            start, stop = k["ts"], k["ts"] + k["dur"]
+            if end is None or start > end:
+                total, end = total + k["dur"], stop
+            elif stop > end:
+                total, end = total + stop - end, stop
+        return total
+
+    for ks in by_stream.values():
+        ks.sort(key=lambda e: e["ts"])
+    times = {s: busy(ks) for s, ks in by_stream.items()}
+    kernel_time = {s: sum(k["dur"] for k in ks if k.get("cat") == "kernel") for s, ks in by_stream.items()}
+    compute = max(kernel_time, key=kernel_time.get)  # copies may keep a side stream busier
+    lines = ["busy by stream: " + ", ".join(f"{s} {t / 1e3:.1f} ms" + (" (compute)" if s == compute else "")
+                                            for s, t in sorted(times.items(), key=lambda kv: -kv[1]))]
+    ks = by_stream[compute]
+    idle = {"host-bound": 0.0, "waiting": 0.0}
+    waits, host_by_phase = defaultdict(float), defaultdict(float)
+    end = ks[0]["ts"] + ks[0]["dur"]
+    for k in ks[1:]:
+        gap = k["ts"] - end
+        if gap >= min_us:
+            launch = launches.get(k["args"].get("correlation"))
+            if launch is None or launch["ts"] >= end:
+                idle["host-bound"] += gap
+                host_by_phase[phase_of(launch["ts"] if launch else k["ts"])] += gap
+            else:
+                idle["waiting"] += gap
+                i = bisect.bisect_right(op_starts, launch["ts"])
+                inner = [e for e in ops[max(0, i - 2000):i] if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+                waits[min(inner, key=lambda e: e["dur"])["name"] if inner else "-"] += gap
+        end = max(end, k["ts"] + k["dur"])
+    span = end - ks[0]["ts"]
+    lines.append(f"compute stream: span {span / 1e3:.1f} ms, idle in gaps >= {min_us:.0f} us: "
+                 f"host-bound {idle['host-bound'] / 1e3:.1f} ms, waiting {idle['waiting'] / 1e3:.1f} ms")
+    if phases and host_by_phase:
+        lines.append("host-bound by phase: " + ", ".join(
+            f"{p} {t / 1e3:.1f} ms" for p, t in sorted(host_by_phase.items(), key=lambda kv: -kv[1])))
+    if waits:
+        lines.append("waiting, by the op launching the next kernel: " + ", ".join(
+            f"{o} {t / 1e3:.1f} ms" for o, t in sorted(waits.items(), key=lambda kv: -kv[1])[:top_ops]))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -83,6 +154,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-us", type=float, default=20.0)
     args = p.parse_args(argv)
     print(gap_report(args.trace, args.top, args.min_us))
+    print(stream_report(args.trace, args.min_us))
 
 
 if __name__ == "__main__":

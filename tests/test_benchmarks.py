@@ -66,17 +66,23 @@ def test_gpu_suite_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], check=True)
 
 
+def _trace():
+    """An empty Chrome trace's event list and a function adding one complete ("X") event to it."""
+    ev = []
+
+    def add(cat, ts, dur, name, **args):
+        ev.append(dict(ph="X", cat=cat, ts=ts, dur=dur, name=name, args=args))
+
+    return ev, add
+
+
 def test_trace_gaps_attributes_idle_time_to_phases_and_launching_ops():
     """bench_step's profile reads GPU idle gaps out of a Chrome trace: host-bound when the next
     kernel's launch started after the GPU went idle; grouped by annotated phase and launching op."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from trace_gaps import gap_report
 
-    ev = []
-
-    def add(cat, ts, dur, name, **args):
-        ev.append(dict(ph="X", cat=cat, ts=ts, dur=dur, name=name, args=args))
-
+    ev, add = _trace()
     add("user_annotation", 0, 500, "forward")
     add("user_annotation", 500, 500, "backward")
     add("cpu_op", 0, 50, "aten::mm")
@@ -97,6 +103,33 @@ def test_trace_gaps_attributes_idle_time_to_phases_and_launching_ops():
     assert lines[2].startswith("by launching op: MyFunction 0.2 ms")
     assert lines[5] == "| 220 | backward | yes | MyFunction | triton_kernel | gemm_b |"
     assert "| 45 | forward | no | - | add_kernel | triton_kernel |" in lines
+
+
+def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
+    """A compute-stream gap whose next kernel was queued before the gap is a wait (here on a copy of
+    the side stream, which keeps the GPU busy); one launched after it went idle is host-bound."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from trace_gaps import stream_report
+
+    ev, add = _trace()
+    add("user_annotation", 0, 280, "forward")
+    add("user_annotation", 280, 100, "backward")
+    add("cpu_op", 0, 10, "aten::mm")
+    add("cuda_runtime", 1, 2, "cudaLaunchKernel", correlation=1)
+    add("kernel", 5, 100, "gemm_a", correlation=1, stream=7)
+    add("cuda_runtime", 4, 2, "cudaMemcpyAsync", correlation=2)
+    add("gpu_memcpy", 20, 200, "Memcpy HtoD", correlation=2, stream=13)
+    add("cpu_op", 8, 5, "StashTake")
+    add("cuda_runtime", 9, 2, "cudaLaunchKernel", correlation=3)
+    add("kernel", 225, 50, "gemm_b", correlation=3, stream=7)     # queued at 9 us, ran at 225: waited 120 us
+    add("cpu_op", 300, 10, "aten::add")
+    add("cuda_runtime", 301, 2, "cudaLaunchKernel", correlation=4)
+    add("kernel", 305, 10, "add_kernel", correlation=4, stream=7)  # launched after 275: host-bound 30 us
+    lines = stream_report({"traceEvents": ev}, min_us=20).splitlines()
+    assert lines[0] == "busy by stream: 13 0.2 ms, 7 0.2 ms (compute)"  # the copy stream is busier
+    assert lines[1] == "compute stream: span 0.3 ms, idle in gaps >= 20 us: host-bound 0.0 ms, waiting 0.1 ms"
+    assert lines[2] == "host-bound by phase: backward 0.0 ms"
+    assert lines[3] == "waiting, by the op launching the next kernel: StashTake 0.1 ms"
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ five hidden-sized tensors, which the host link can move while the GPU computes. 
 - forward: the core runs under saved-tensor hooks of its own, nested inside the checkpoint's. What
   its autograd nodes save (the projections' input and rank-r products, q/k/v as the attention takes
   them, the attention output) is copied to pinned host memory on the offload side stream, from the
-  checkpointer's pool, and so is the core's output (usually the same memory as the saved attention
+  checkpointer's pool, all of a core's copies queued together when it ends, and so is the core's output (usually the same memory as the saved attention
   output: one copy serves both). The checkpoint never sees those tensors.
 - recompute: the core is skipped; its output comes back from the host. The checkpoint's count of
   saved tensors still matches, since the core saved nothing through the checkpoint in either pass.
@@ -172,11 +172,12 @@ class StashedBlock:
     attention output are one block) and dropped at the last; a second backward takes it again.
     """
 
-    __slots__ = ("chain", "packed", "nbytes", "uses", "left", "__weakref__")
+    __slots__ = ("chain", "flat", "packed", "nbytes", "uses", "left", "__weakref__")
 
     def __init__(self, chain: StashChain, flat: torch.Tensor):
         self.chain = chain
-        self.packed = chain.checkpointer.pack(flat, chain=False)  # flat: uint8
+        self.flat = flat  # uint8 device memory, until the core's copies start together (``LayerStash.run``)
+        self.packed = None
         self.nbytes = flat.numel()
         self.uses = self.left = 0
         chain._count(self.nbytes)
@@ -293,6 +294,9 @@ class LayerStash:
             with StashHooks(self):
                 out, extra = core()
             ref = self.ref(out, force=True)
+            pending = [b for b in self.blocks.values() if b.packed is None]
+            for block, packed in zip(pending, self.chain.checkpointer.pack_many([b.flat for b in pending])):
+                block.packed, block.flat = packed, None
         finally:
             self._alive = None
         if ref is None:  # the core's output is a plain contiguous tensor (attention.py); anything else is a bug

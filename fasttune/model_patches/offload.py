@@ -235,21 +235,7 @@ class OffloadedCheckpointer:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         tensor = tensor.detach()
-        cuda = tensor.device.type == "cuda"
-        device_key = (tensor.device.type, tensor.device.index)
-        nbytes = tensor.numel() * tensor.element_size()
-        pool = self._pool(cuda)
-        packed = OffloadedTensor(tensor, pool.acquire(nbytes, device_key), pool, device_key)
-        if cuda:
-            compute = torch.cuda.current_stream(tensor.device)
-            side = self.side_stream(tensor.device)
-            side.wait_stream(compute)  # the copy must see the finished tensor
-            with torch.cuda.stream(side):
-                packed.host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(side)  # its memory is not reused before the copy has read it
-        else:
-            packed.host.copy_(tensor)
-        self.stats.packed += 1
+        (packed,) = self._copy_out([tensor])
         if not chain:
             return packed
         last = self._last() if self._last is not None else None
@@ -260,6 +246,36 @@ class OffloadedCheckpointer:
         if self.keep_last:
             packed.on_device = tensor
         self._last = weakref.ref(packed)
+        return packed
+
+    def pack_many(self, tensors: list[torch.Tensor]) -> list[OffloadedTensor]:
+        """``pack(t, chain=False)`` for each of ``tensors`` (one device), with one wait for the compute
+        stream and one switch to the side stream for all their copies (the attention stash's blocks of one
+        core: a switch per copy costs host time in a forward that is close to host-bound)."""
+        return self._copy_out([t.detach() for t in tensors])
+
+    def _copy_out(self, tensors: list[torch.Tensor]) -> list[OffloadedTensor]:
+        """Start the device-to-host copies of ``tensors`` (detached, one device) into pooled buffers."""
+        if not tensors:
+            return []
+        device = tensors[0].device
+        cuda = device.type == "cuda"
+        device_key = (device.type, device.index)
+        pool = self._pool(cuda)
+        packed = [OffloadedTensor(t, pool.acquire(t.numel() * t.element_size(), device_key), pool, device_key)
+                  for t in tensors]
+        if cuda:
+            side = self.side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))  # the copies must see the finished tensors
+            with torch.cuda.stream(side):
+                for p, t in zip(packed, tensors):
+                    p.host.copy_(t, non_blocking=True)
+            for t in tensors:
+                t.record_stream(side)  # its memory is not reused before the copy has read it
+        else:
+            for p, t in zip(packed, tensors):
+                p.host.copy_(t)
+        self.stats.packed += len(tensors)
         return packed
 
     def unpack(self, packed: OffloadedTensor) -> torch.Tensor:

@@ -29,6 +29,25 @@ def test_pack_is_a_copy_and_unpack_returns_it_exactly(device, dtype):
     assert ck.stats.misses == 1 and ck.stats.packed == 1
 
 
+def test_pack_many_copies_each_tensor_once_and_take_returns_it(device):
+    """The attention stash queues one core's copies together: each handle holds an exact copy taken
+    at pack time, outside the prefetch chain (no device original kept), fetched on its own by take."""
+    ck = OffloadedCheckpointer()
+    xs = [_rand((5, 33), torch.bfloat16, device, 7), _rand((64,), torch.float32, device, 8),
+          _rand((9, 4, 3), torch.float32, device, 9).transpose(0, 2)]
+    expect = [x.clone() for x in xs]
+    packed = ck.pack_many(xs)
+    for x in xs:
+        x.zero_()  # later writes to the originals must not reach the copies
+    assert ck.stats.packed == 3 and all(p.on_device is None and p.prev is None for p in packed)
+    assert ck.pack_many([]) == [] and ck.stats.packed == 3
+    for p, e in zip(packed, expect):
+        out = ck.take(p)
+        assert out.device == e.device and out.dtype == e.dtype and out.shape == e.shape
+        assert torch.equal(out, e)
+    assert ck.stats.misses == 3
+
+
 def test_non_contiguous_input(device):
     ck = OffloadedCheckpointer(keep_last=False)
     x = _rand((40, 30), torch.float32, device, 1).t()[::2]
