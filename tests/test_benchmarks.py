@@ -113,7 +113,7 @@ def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
 
     ev, add = _trace()
     add("user_annotation", 0, 280, "forward")
-    add("user_annotation", 280, 100, "backward")
+    add("user_annotation", 280, 220, "backward")
     add("cpu_op", 0, 10, "aten::mm")
     add("cuda_runtime", 1, 2, "cudaLaunchKernel", correlation=1)
     add("kernel", 5, 100, "gemm_a", correlation=1, stream=7)
@@ -122,13 +122,13 @@ def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
     add("cpu_op", 8, 5, "StashTake")
     add("cuda_runtime", 9, 2, "cudaLaunchKernel", correlation=3)
     add("kernel", 225, 50, "gemm_b", correlation=3, stream=7)     # queued at 9 us, ran at 225: waited 120 us
-    add("cpu_op", 300, 10, "aten::add")
-    add("cuda_runtime", 301, 2, "cudaLaunchKernel", correlation=4)
-    add("kernel", 305, 10, "add_kernel", correlation=4, stream=7)  # launched after 275: host-bound 30 us
+    add("cpu_op", 400, 10, "aten::add")
+    add("cuda_runtime", 401, 2, "cudaLaunchKernel", correlation=4)
+    add("kernel", 405, 10, "add_kernel", correlation=4, stream=7)  # launched after 275: host-bound 130 us
     lines = stream_report({"traceEvents": ev}, min_us=20).splitlines()
     assert lines[0] == "busy by stream: 13 0.2 ms, 7 0.2 ms (compute)"  # the copy stream is busier
-    assert lines[1] == "compute stream: span 0.3 ms, idle in gaps >= 20 us: host-bound 0.0 ms, waiting 0.1 ms"
-    assert lines[2] == "host-bound by phase: backward 0.0 ms"
+    assert lines[1] == "compute stream: span 0.4 ms, idle in gaps >= 20 us: host-bound 0.1 ms, waiting 0.1 ms"
+    assert lines[2] == "host-bound by phase: backward 0.1 ms"
     assert lines[3] == "waiting, by the op launching the next kernel: StashTake 0.1 ms"
 
 

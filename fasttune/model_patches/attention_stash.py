@@ -9,8 +9,9 @@ five hidden-sized tensors, which the host link can move while the GPU computes. 
 - forward: the core runs under saved-tensor hooks of its own, nested inside the checkpoint's. What
   its autograd nodes save (the projections' input and rank-r products, q/k/v as the attention takes
   them, the attention output) is copied to pinned host memory on the offload side stream, from the
-  checkpointer's pool, all of a core's copies queued together when it ends, and so is the core's output (usually the same memory as the saved attention
-  output: one copy serves both). The checkpoint never sees those tensors.
+  checkpointer's pool, all of a core's copies queued together when it ends, and so is the core's
+  output (usually the same memory as the saved attention output: one copy serves both). The
+  checkpoint never sees those tensors.
 - recompute: the core is skipped; its output comes back from the host. The checkpoint's count of
   saved tensors still matches, since the core saved nothing through the checkpoint in either pass.
 - backward: the core's own nodes from the forward run on the tensors brought back. When layer i's
