@@ -6,8 +6,9 @@
 
 Implementations: torch eager (F.linear in bf16, F.cross_entropy on .float() logits, as Hugging Face
 does), torch.compile of that, Liger's LigerFusedLinearCrossEntropyLoss, Cut Cross-Entropy's
-linear_cross_entropy, fasttune (default 1024 MiB workspace; 256 MiB and 4 GiB show the memory/speed
-trade: fewer chunks mean fewer read-modify-writes of the fp32 dW accumulator). A peer that does not import
+linear_cross_entropy, fasttune (default workspace: 1024 MiB with W trainable, else what 1,024 rows take, at
+least 256 MiB; 256 MiB, 1 GiB and 4 GiB show the memory/speed trade: with W trainable, fewer chunks mean
+fewer read-modify-writes of the fp32 dW accumulator). A peer that does not import
 gets an "n/a" row. Shapes: Llama-3-8B, Qwen2.5-7B, Gemma-2-2B (soft-cap 30) heads, bf16, ~5% of labels
 ignored, W trainable and frozen.
 
@@ -115,6 +116,7 @@ IMPLS = {
     "cce": make_cce,
     "fasttune": make_fasttune(None),
     "fasttune ws=256MiB": make_fasttune(256),
+    "fasttune ws=1GiB": make_fasttune(1024),
     "fasttune ws=4GiB": make_fasttune(4096),
 }
 

@@ -201,7 +201,9 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen,
                                                residual_norms=not args.no_residual_norms,
                                                base_dtype="fp8" if fp8 else "auto",
-                                               attention_stash=args.attention_stash and mode != "recompute"))
+                                               attention_stash=args.attention_stash and mode != "recompute",
+                                               **({} if args.loss_workspace_mib is None
+                                                  else {"loss_workspace_mib": args.loss_workspace_mib})))
         log("    " + str(report).replace("\n", "\n    "))
         n = shape["num_hidden_layers"]
         ops = ("lora_qkv", "lora_o", "lora_mlp") + (tuple("fp8_" + p for p in LORA_TARGETS) if fp8 else ())
@@ -403,7 +405,9 @@ def host_profile(step: Step, rows: int = 35) -> str:
     prof.disable()
     sync()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)  # which of our functions the host time sits under
     return "\n".join(line[:200] for line in out.getvalue().splitlines())
 
 
@@ -529,7 +533,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
         + (["--attention-stash"] if args.attention_stash else []) \
-        + ["--gc", args.gc]
+        + ["--gc", args.gc] \
+        + ([] if args.loss_workspace_mib is None else ["--loss-workspace-mib", str(args.loss_workspace_mib)])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -614,6 +619,8 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
     p.add_argument("--attention-stash", action="store_true",
                    help="fasttune offload/auto stacks with FastConfig(attention_stash=True)")
+    p.add_argument("--loss-workspace-mib", type=int, default=None,
+                   help="fasttune stacks with FastConfig(loss_workspace_mib=N): the loss head's logit workspace")
     p.add_argument("--no-residual-norms", action="store_true",
                    help="fasttune stacks with FastConfig(residual_norms=False): the residual adds as their own kernels")
     p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),

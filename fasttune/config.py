@@ -78,8 +78,10 @@ class FastConfig:
     fused_logprobs: bool = field(default=True, metadata={
         "help": "Serve TRL's fused LM head (fused_lm_head=True: SFT metrics, DPO, GRPO, KTO, RLOO "
                 "log-probabilities) with fasttune's kernel."})
-    loss_workspace_mib: int = field(default=1024, metadata={
-        "help": "Upper bound, in MiB, of the logit workspace the fused loss uses per chunk of tokens."})
+    loss_workspace_mib: int | None = field(default=None, metadata={
+        "help": "Upper bound, in MiB, of the logit workspace the fused loss uses per chunk of tokens. "
+                "None: 1024 when the LM head trains (fewer chunks, fewer passes over its fp32 gradient), "
+                "else what 1,024 tokens take, at least 256."})
     return_logits: bool = field(default=False, metadata={
         "help": "Also return logits from a training forward with labels (costs the [tokens, vocab] memory)."})
 
@@ -147,7 +149,7 @@ class FastConfig:
             raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
         if self.moe_experts_nf4 not in MOE_EXPERTS_NF4:
             raise ValueError(f"moe_experts_nf4 must be one of {MOE_EXPERTS_NF4}, got {self.moe_experts_nf4!r}")
-        if self.loss_workspace_mib < 1:
+        if self.loss_workspace_mib is not None and self.loss_workspace_mib < 1:
             raise ValueError(f"loss_workspace_mib must be >= 1, got {self.loss_workspace_mib}")
         self.export_artifacts = _choices("export_artifacts", self.export_artifacts, ARTIFACTS)
         self.push_artifacts = _choices("push_artifacts", self.push_artifacts, ARTIFACTS)

@@ -3,14 +3,18 @@
 #  - llama-cpp-python, built from source with portable flags (the -march=native build segfaults on
 #    quantised models on these CPUs, docs/FACTS.md, GGUF and llama.cpp); ~5 min once, then cached in .venv;
 #  - Debian's chromium for the Space's browser tests (Playwright cannot download browsers here).
+# Usage: setup_test_tools.sh            install both (the llama wheel from build/wheels when prefetched)
+#        setup_test_tools.sh --prefetch  build the llama wheel into build/wheels and install chromium; needs
+#                                        no .venv, so scripts/test.sh runs it while pip fills .venv (the build
+#                                        is CPU-bound, pip mostly waits on the network)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  echo "building llama-cpp-python (once, ~5 min)..."
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" \
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt llama-cpp-python==0.3.36
-fi
-if ! command -v chromium >/dev/null 2>&1; then
+LLAMA="llama-cpp-python==0.3.36"
+export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+WHEELS=build/wheels
+
+install_chromium() {
+  command -v chromium >/dev/null 2>&1 && return 0
   if [ "$(id -u)" = 0 ]; then sudo_cmd=""; elif command -v sudo >/dev/null 2>&1; then sudo_cmd="sudo"; else sudo_cmd="none"; fi
   if [ "$sudo_cmd" != none ]; then
     $sudo_cmd apt-get update -qq >/dev/null && \
@@ -19,4 +23,23 @@ if ! command -v chromium >/dev/null 2>&1; then
   else
     echo "warning: no root/sudo to install chromium; browser tests will be skipped"
   fi
+}
+
+has_llama() { [ -x .venv/bin/python ] && .venv/bin/python -c "import llama_cpp" 2>/dev/null; }
+
+if [ "${1:-}" = "--prefetch" ]; then
+  if ! has_llama && ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "building the llama-cpp-python wheel (once, ~5 min)..."
+    "${PYTHON:-python3}" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-deps -w "$WHEELS" "$LLAMA"
+  fi
+  install_chromium
+  exit 0
 fi
+
+if ! has_llama; then
+  # A prefetched wheel for this interpreter is taken first; pip builds from source when none fits.
+  echo "installing llama-cpp-python..."
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt \
+    --find-links "$WHEELS" "$LLAMA"
+fi
+install_chromium

@@ -25,7 +25,11 @@ import triton.language as tl
 
 from ._backend import check_float, check_same_device, interpreter_on
 
-DEFAULT_WORKSPACE_MIB = 1024
+DEFAULT_WORKSPACE_MIB = 1024  # W trainable: every chunk read-modify-writes the fp32 dW, so fewer is faster
+# W frozen there is nothing to amortise: chunks of ~1k rows run the products as fast as 4k (bench_loss_chunks.py,
+# RESULTS.md), so the workspace shrinks to what 1,024 rows need, at least 256 MiB (0.75 GiB less at an 8B head).
+FROZEN_WORKSPACE_MIB = 256
+FROZEN_MIN_ROWS = 1024
 MIN_CHUNK_ROWS = 16
 FP16_GRAD_SCALE = 2.0 ** 11  # |dX| ≤ ~|logit_scale|·(1 + 2λ·lse): 2^11 leaves 32× headroom below 65504
 
@@ -227,10 +231,20 @@ def first_order_only(backward):
 # ------------------------------------------------------------------------------------------------
 
 
-def plan_chunk_rows(n: int, V: int, elem_size: int, workspace_mib) -> int:
-    """Rows per chunk so the [rows, V] workspace stays within ``workspace_mib`` (at least
-    MIN_CHUNK_ROWS rows); chunks are balanced and rounded to multiples of 16 rows."""
-    budget = (DEFAULT_WORKSPACE_MIB if workspace_mib is None else workspace_mib) * 2 ** 20
+def default_workspace_mib(V: int, elem_size: int, trainable: bool) -> float:
+    """The workspace bound when the caller gives none: DEFAULT_WORKSPACE_MIB with a dW to accumulate,
+    else what FROZEN_MIN_ROWS rows take, at least FROZEN_WORKSPACE_MIB (never more than the default)."""
+    if trainable:
+        return DEFAULT_WORKSPACE_MIB
+    return min(DEFAULT_WORKSPACE_MIB, max(FROZEN_WORKSPACE_MIB, FROZEN_MIN_ROWS * V * elem_size / 2 ** 20))
+
+
+def plan_chunk_rows(n: int, V: int, elem_size: int, workspace_mib, trainable: bool = True) -> int:
+    """Rows per chunk so the [rows, V] workspace stays within ``workspace_mib`` (None:
+    ``default_workspace_mib``; at least MIN_CHUNK_ROWS rows); chunks are balanced and rounded to
+    multiples of 16 rows. ``trainable``: a dW is accumulated chunk by chunk."""
+    mib = default_workspace_mib(V, elem_size, trainable) if workspace_mib is None else workspace_mib
+    budget = mib * 2 ** 20
     cap = max(MIN_CHUNK_ROWS, int(budget // (V * elem_size)))
     if n <= cap:
         return max(n, 1)
@@ -338,7 +352,7 @@ def head_chunks(hidden, weight, bias, rows, workspace_mib, run_pass, *, need_h=F
     N, D = hidden.shape
     V = weight.shape[0]
     n = N if rows is None else rows.numel()
-    chunk = plan_chunk_rows(n, V, hidden.element_size(), workspace_mib)
+    chunk = plan_chunk_rows(n, V, hidden.element_size(), workspace_mib, trainable=need_w)
     f32 = dict(device=hidden.device, dtype=torch.float32)
     dh = dw32 = db32 = None
     if need_h:

@@ -26,7 +26,8 @@ logits are made once: three GEMMs with a trainable W, two when it is frozen.
 
 Fused path (``fused_linear_cross_entropy``): ignored rows are dropped first (every GEMM shrinks by
 the masked fraction), then chunks of tokens go through a workspace of at most ``workspace_mib``
-(default 1024 MiB): cuBLAS logits, the pass, dH_chunk = dX W (input dtype), dW += dXᵀ H in fp32,
+(default: 1024 MiB with W trainable; frozen, what 1,024 rows take, at least 256 MiB, see
+``_lce_common.default_workspace_mib``): cuBLAS logits, the pass, dH_chunk = dX W (input dtype), dW += dXᵀ H in fp32,
 db += column sums. Scalar reductions precompute every gradient in forward and scale them by the
 upstream scalar in backward. reduction="none": dH rows scale per row, so with a frozen W (LoRA,
 TRL log-probs) dH is precomputed and scaled by rows; with a trainable W (or bias) dW cannot be, so
@@ -345,7 +346,8 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, *, ignore_inde
         logit_scale: multiplies the logits before the soft-cap (e.g. 1/logits_scaling).
         z_loss: λ ≥ 0 adds λ·lse² per row.
         return_stats: also return {"entropy": float32 [N], "correct": bool [N]} (0/False where ignored).
-        workspace_mib: bound of the per-chunk logit workspace in MiB (default 1024; at least 16 rows).
+        workspace_mib: bound of the per-chunk logit workspace in MiB (at least 16 rows); None:
+            1024 with a trainable weight, else what 1,024 rows take, at least 256.
 
     Returns:
         float32 loss (0-d, or [N] for "none"), and the stats dict when ``return_stats``.

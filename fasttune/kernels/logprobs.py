@@ -170,7 +170,8 @@ def fused_linear_logprobs(hidden, weight, labels, bias=None, *, temperature=1.0,
         softcap: c > 0: logits become c·tanh(z/c) before the temperature.
         logit_scale: multiplies the logits before the soft-cap.
         return_entropy: also return the entropy of softmax(z/T) per row (differentiable).
-        workspace_mib: bound of the per-chunk logit workspace in MiB (default 1024; at least 16 rows).
+        workspace_mib: bound of the per-chunk logit workspace in MiB (at least 16 rows); None:
+            1024 with a trainable weight, else what 1,024 rows take, at least 256.
 
     Returns:
         float32 [N] log-probabilities, or (log-probabilities, entropy).

@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import FastConfig
+from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
 from .attention_stash import LayerStash, StashChain
@@ -181,7 +182,8 @@ class AutoPolicy:
         self.base = base
         self.n_layers = n_layers
         self.budget_gb = config.memory_budget_gb
-        self.head_workspace = 2 * config.loss_workspace_mib * (1 << 20)
+        # The head's largest default workspace when none is set (a trainable head's).
+        self.head_workspace = 2 * (config.loss_workspace_mib or DEFAULT_WORKSPACE_MIB) * (1 << 20)
         self.head_fused = head_fused
         self.layer_bytes: dict[tuple, int] = {}
         self.decision: AutoDecision | None = None

@@ -350,7 +350,7 @@ def _fast(data, errors: list[str]):
             continue
         checked = _value(f"fast.{key}", value, rules, errors)
         if checked is not _BAD:
-            kwargs[key] = int(checked) if rules["kind"] == "int" else checked
+            kwargs[key] = int(checked) if rules["kind"] == "int" and checked is not None else checked
     if len(errors) > n_errors:
         return _BAD
     try:
