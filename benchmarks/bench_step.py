@@ -2,7 +2,8 @@
 
 A step = forward (bf16 autocast, as Trainer(bf16=True) runs it), backward and a fused AdamW step
 on the adapters, on random tokens (labels = inputs). Model: random-init Llama-3.1-8B shape (all
-32 layers, V = 128,256), built in bf16 on the GPU (no download); LoRA r=16, alpha 16, dropout 0
+32 layers, V = 128,256; ``--model qwen2.5-7b`` or ``qwen3-8b`` for those shapes, all their layers),
+built in bf16 on the GPU (no download); LoRA r=16, alpha 16, dropout 0
 on all seven projections; activation checkpointing on. Two kinds of base weights: bf16, and NF4
 (every decoder Linear replaced by a bitsandbytes ``Linear4bit`` quantised from the same random
 bf16 weights: double quantisation, blocksize 64, bf16 compute). Shapes 4×2048 and 1×8192.
@@ -92,6 +93,22 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 # (docs/FACTS.md, bitsandbytes on the CPU).
 SMOKE = dict(LLAMA_8B, vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 rope_theta=1000000.0, tie_word_embeddings=False, use_cache=False, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=3)  # q/k/v carry biases (Qwen2's attention always does)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+                use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)  # q/k norms
+_SMALL = dict(vocab_size=1031, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+# --model: (transformers model_type, full shape, smoke shape)
+MODELS = {
+    "llama3.1-8b": ("llama", LLAMA_8B, SMOKE),
+    "qwen2.5-7b": ("qwen2", QWEN25_7B, dict(QWEN25_7B, **_SMALL)),
+    "qwen3-8b": ("qwen3", QWEN3_8B, dict(QWEN3_8B, **_SMALL, head_dim=32)),
+}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STACKS = ("hf", "liger", "fasttune", "fasttune-recompute", "fasttune-auto", "fasttune-fp8", "fasttune-fp8-auto",
           "unsloth")
@@ -110,11 +127,11 @@ def release() -> None:
 
 # --- models --------------------------------------------------------------------------------------
 
-def build_base(shape: dict):
+def build_base(shape: dict, model_type: str = "llama"):
     """The random-init causal LM in bf16 on the GPU (fp32 on CPU for --smoke), frozen."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", **shape)
+    config = AutoConfig.for_model(model_type, **shape)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device() == "cuda" else torch.float32
     with torch.device(device()):
@@ -133,10 +150,12 @@ def to_nf4(model) -> None:
             for name, lin in list(parent.named_children()):
                 if type(lin) is not torch.nn.Linear:
                     continue
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=compute,
-                                      compress_statistics=True, quant_type="nf4", device="meta")
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                      compute_dtype=compute, compress_statistics=True, quant_type="nf4", device="meta")
                 q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
                                              quant_type="nf4", module=q).to(lin.weight.device)  # quantises
+                if lin.bias is not None:  # Qwen2's q/k/v: the bias stays 16-bit, as QLoRA loads it
+                    q.bias = lin.bias
                 setattr(parent, name, q)
     model.is_loaded_in_4bit = True  # PEFT then wraps Linear4bit with its bnb LoRA layer
     release()
@@ -178,7 +197,7 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
     """The PEFT model of ``stack`` with ``weights`` ("bf16"/"nf4"), in training mode."""
     if stack == "unsloth":
         return prepare_unsloth(weights, shape, args)
-    base = build_base(shape)
+    base = build_base(shape, MODELS[args.model][0])
     if args.ckpt_dir and "unsloth" in args.all_stacks:  # from bf16 weights, before any quantisation
         t0 = time.perf_counter()
         save_checkpoint(base, args.ckpt_dir)
@@ -434,7 +453,8 @@ def gemm_table(prof, rows: int = 30) -> str:
 # --- worker: one stack, all its configurations ------------------------------------------------
 
 def worker(stack: str, args) -> None:
-    shape = SMOKE if args.smoke else LLAMA_8B
+    _, full, small = MODELS[args.model]
+    shape = small if args.smoke else full
     deadline = args.deadline_at
     if stack.endswith("-auto") and torch.cuda.is_available():
         total = torch.cuda.mem_get_info()[1]
@@ -524,7 +544,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
     if left < 30:
         return [dict(r, error="skipped: time budget") for r in expected]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--deadline-at", str(deadline_at),
-           "--stacks", ",".join(args.all_stacks), "--weights", ",".join(args.weights),
+           "--model", args.model, "--stacks", ",".join(args.all_stacks), "--weights", ",".join(args.weights),
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing, "--ckpt-dir", args.ckpt_dir or "",
            "--auto-budget-gib", str(args.auto_budget_gib),
@@ -607,6 +627,8 @@ def versions() -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated subset of " + ", ".join(STACKS))
+    p.add_argument("--model", default="llama3.1-8b", choices=list(MODELS),
+                   help="the random-init shape: Llama-3.1-8B, Qwen2.5-7B (q/k/v biases) or Qwen3-8B (q/k norms)")
     p.add_argument("--weights", default=",".join(WEIGHTS), help="bf16, nf4 or both")
     p.add_argument("--shapes", default="4x2048,1x8192", help="batch x sequence, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
@@ -628,7 +650,7 @@ def parse_args(argv=None):
                         "warm-up: the model's objects leave the generations it scans); off")
     p.add_argument("--ckpt-dir", default=None,
                    help="where a worker saves the random model for unsloth ('' to skip; default "
-                        "/tmp/fasttune_bench_step_llama8b, or _smoke)")
+                        "/tmp/fasttune_bench_step_llama8b, _qwen2.5-7b, _qwen3-8b, or with _smoke)")
     p.add_argument("--profile", nargs="?", const="fasttune", default="",
                    help="profile one extra step of these stacks (default when given: fasttune)")
     p.add_argument("--trace", help="also write Chrome traces of the profiled steps to this directory")
@@ -645,7 +667,8 @@ def parse_args(argv=None):
     args.profile = [s for s in args.profile.split(",") if s]
     args.host_profile = [s for s in args.host_profile.split(",") if s]
     if args.ckpt_dir is None:
-        args.ckpt_dir = f"/tmp/fasttune_bench_step_{'smoke' if args.smoke else 'llama8b'}"
+        name = "llama8b" if args.model == "llama3.1-8b" else args.model
+        args.ckpt_dir = f"/tmp/fasttune_bench_step_{'smoke_' + name if args.smoke else name}"
     bad = sorted(set(args.all_stacks + args.profile + args.host_profile) - set(STACKS)) + sorted(set(args.weights) - set(WEIGHTS))
     if bad:
         p.error(f"unknown stack/weights {bad}")
@@ -685,7 +708,7 @@ def main(argv=None) -> None:
     print(f"\ntotal {time.time() - t0:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"versions": info, "smoke": args.smoke, "checkpointing": args.checkpointing,
+            json.dump({"versions": info, "model": args.model, "smoke": args.smoke, "checkpointing": args.checkpointing,
                        "rows": rows, "seconds": round(time.time() - t0, 1)}, f, indent=1)
 
 

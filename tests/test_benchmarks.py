@@ -39,6 +39,20 @@ def test_bench_step_smoke_every_fasttune_stack(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_step_smoke_qwen25_nf4(tmp_path):
+    """``--model qwen2.5-7b``: another family's shape (q/k/v biases, kept 16-bit beside the NF4 codes);
+    hf and fasttune compute the same function (B = 0)."""
+    out = tmp_path / "step_qwen.json"
+    _run(["benchmarks/bench_step.py", "--smoke", "--model", "qwen2.5-7b", "--stacks", "hf,fasttune", "--weights", "nf4",
+          "--shapes", "1x32", "--steps", "1", "--warmup", "1", "--out", str(out)], 600)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["model"] == "qwen2.5-7b" and [r["stack"] for r in rows] == ["hf", "fasttune"], rows
+    assert all("tokens_per_s" in r for r in rows), rows
+    assert rows[0]["loss_step1"] == rows[1]["loss_step1"], rows
+
+
+@pytest.mark.slow
 def test_bench_step_smoke_fp8_stack(tmp_path):
     """fasttune-fp8 (FP8 bases) beside fasttune: every projection converted (the worker checks the
     report), and the step-1 loss of the same function within FP8's error of the exact one."""
