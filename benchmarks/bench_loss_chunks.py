@@ -16,32 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_loss import SHAPES  # noqa: E402
+from bench_loss import SHAPES, time_ms_plain as timed  # noqa: E402
 
 from fasttune.kernels._lce_common import GradScaling, addmm_fp32_  # noqa: E402
 from fasttune.kernels.cross_entropy import _launch, _Options  # noqa: E402
 
 DEFAULT_ROWS = (512, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
-
-
-def timed(f, reps: int) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def pieces(R: int, D: int, V: int, softcap, reps: int) -> dict:
