@@ -27,8 +27,8 @@ logits are made once: three GEMMs with a trainable W, two when it is frozen.
 Fused path (``fused_linear_cross_entropy``): ignored rows are dropped first (every GEMM shrinks by
 the masked fraction), then chunks of tokens go through a workspace of at most ``workspace_mib``
 (default: 1024 MiB with W trainable; frozen, what 1,024 rows take, at least 256 MiB, see
-``_lce_common.default_workspace_mib``): cuBLAS logits, the pass, dH_chunk = dX W (input dtype), dW += dXᵀ H in fp32,
-db += column sums. Scalar reductions precompute every gradient in forward and scale them by the
+``_lce_common.default_workspace_mib``): cuBLAS logits, the pass, dH_chunk = dX W (input dtype),
+dW += dXᵀ H in fp32, db += column sums. Scalar reductions precompute every gradient in forward and scale them by the
 upstream scalar in backward. reduction="none": dH rows scale per row, so with a frozen W (LoRA,
 TRL log-probs) dH is precomputed and scaled by rows; with a trainable W (or bias) dW cannot be, so
 backward recomputes the chunks with r_i = upstream gradient (four GEMMs). Gradients precomputed in
