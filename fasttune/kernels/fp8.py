@@ -21,8 +21,8 @@ dY instead: G = dY diag(s_W) (exact, s_W being powers of two), quantised per row
 
 so the forward's codes and scales serve the backward too: 1 byte per weight in all. The cost:
 cuBLAS's FP8 GEMM takes its second operand column-major only, so this product reads Q_W through a
-transposed copy made per call and freed at once (out·in bytes; ~0.2 ms per 8B decoder layer at
-H200 bandwidth, ~2% of a step). Rejected alternatives: a second, transposed FP8 copy with
+transposed copy made per call and freed at once (out·in bytes, ``byte_transpose.py``: ~0.15 ms per
+8B decoder layer at the H200's memory rate; torch's strided copy took ~1.2 ms). Rejected alternatives: a second, transposed FP8 copy with
 per-input-channel scales (2 bytes per weight, bf16's memory) and a per-tensor scale for the
 backward (every row at the largest row's range: rows of small weights lose bits).
 
@@ -47,12 +47,14 @@ import triton.language as tl
 
 from . import reference
 from ._backend import check_float, use_triton
+from .byte_transpose import transpose_bytes
 
 __all__ = ["FP8_MAX", "Fp8Weight", "quantize_rows", "forward_product", "grad_input_product", "product_path",
            "fp8_linear"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _BLOCK = 2048  # columns per loop iteration of the quantiser
+_ONE_TILE = 16384  # rows up to this width are quantised from one read (8B widths: 4,096 and 14,336)
 
 
 @triton.jit
@@ -81,35 +83,50 @@ def _quantize_rows_kernel(x_ptr,  # [N, K] rows to quantise, any float dtype, un
                           q_ptr,  # [N, K] float8_e4m3fn codes out, written as their uint8 bits (unit column stride)
                           s_ptr,  # [N] float32 row scales out
                           n_rows, n_cols, stride_x, stride_q,
-                          HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # BLOCK_M rows per program: a pass for max|v| per row, a second pass to scale and encode (the
-    # rows are re-read, mostly from L2).
+                          HAS_COL: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    # BLOCK_M rows per program: a pass for max|v| per row, a second pass to scale and encode. When
+    # a row fits in one tile (ONE_TILE: BLOCK_N ≥ n_cols) it is read once and kept in registers;
+    # else the second pass re-reads it, mostly from L2.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     offs = tl.arange(0, BLOCK_N)
-    amax = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + offs
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ONE_TILE:
+        mask = row_mask[:, None] & (offs < n_cols)[None, :]
+        tile = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_COL:
-            v = v * tl.load(col_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-        amax = tl.maximum(amax, tl.abs(v))
-    bits = tl.max(amax, axis=1).to(tl.int32, bitcast=True)
+            tile = tile * tl.load(col_ptr + offs, mask=offs < n_cols, other=0.0)[None, :]
+        row_max = tl.max(tl.abs(tile), axis=1)
+    else:
+        amax = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + offs
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_COL:
+                v = v * tl.load(col_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+            amax = tl.maximum(amax, tl.abs(v))
+        row_max = tl.max(amax, axis=1)
+    bits = row_max.to(tl.int32, bitcast=True)
     # The smallest 2^e with amax ≤ 448·2^e (448 = 1.75·2^8), from amax's exponent and mantissa bits.
     e = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -126), 126)
     tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=row_mask)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + offs
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_COL:
-            v = v * tl.load(col_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+    if ONE_TILE:
+        mask = row_mask[:, None] & (offs < n_cols)[None, :]
         # |v·2^-e| ≤ 448 by construction: no clamp needed, and a NaN stays NaN.
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], _e4m3_code(v * inv[:, None]).to(tl.uint8),
+        tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :], _e4m3_code(tile * inv[:, None]).to(tl.uint8),
                  mask=mask)
+    else:
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + offs
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_COL:
+                v = v * tl.load(col_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], _e4m3_code(v * inv[:, None]).to(tl.uint8),
+                     mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,11 +186,16 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     rows, cols = x.shape
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)  # every element stored
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    block_n = min(_BLOCK, triton.next_power_of_2(max(cols, 16)))
-    block_m = _BLOCK // block_n  # _BLOCK elements per tile: short rows are taken several at a time
+    width = triton.next_power_of_2(max(cols, 16))
+    if width <= _ONE_TILE:  # the row block read once, kept in registers
+        block_n, warps = width, min(16, max(4, width // 1024))  # ≤ 32 values a thread
+        block_m = max(1, _BLOCK // block_n)
+    else:
+        block_n, warps = _BLOCK, 4
+        block_m = 1
     _quantize_rows_kernel[(triton.cdiv(rows, block_m),)](
         x, col_scale, codes.view(torch.uint8), scale, rows, cols, x.stride(0), codes.stride(0),
-        HAS_COL=col_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        HAS_COL=col_scale is not None, ONE_TILE=block_n >= cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return codes, scale
 
 
@@ -251,7 +273,7 @@ def grad_input_product(dy: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     q, s = quantize_rows(dy, col_scale=w.scale)
     if product_path(dy, w) is None:
         codes = w.fp8
-        return _scaled_mm(q, s, codes.t().contiguous().t(), _ones(codes.shape[1], codes.device))
+        return _scaled_mm(q, s, transpose_bytes(codes).t(), _ones(codes.shape[1], codes.device))
     return reference.fp8_scaled_product(q, s, w.fp8, None, dy.dtype)
 
 

@@ -249,13 +249,14 @@ def stacked_xa(x2: torch.Tensor, adapters) -> tuple[torch.Tensor | None, torch.T
 
 
 def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
-            xcat: torch.Tensor | None = None) -> list[torch.Tensor]:
+            xcat: torch.Tensor | None = None, rank_terms: bool = True) -> list[torch.Tensor]:
     """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p of one input.
 
     Widened bases (``lora_wide.py``): one product per projection over [X | s·XA]. Otherwise the
     base product first, exactly as the stock layer computes it, then the rank-r term added in
     one pass (module docstring: with B = 0 the output is bitwise the base layer's). ``xcat``: a
     widened input already holding X (the GLU kernel writes H there), used when the bases are widened.
+    ``rank_terms=False``: base products only where not widened (``lora_glu`` adds the terms in its pass).
     """
     dt = x2.dtype
     cols = wide_columns(bases, adapters, dt)
@@ -272,7 +273,7 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
         else:
             w = base.materialize(out=scratch, dtype=dt)
             y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
-        if ad is not None:
+        if ad is not None and rank_terms:
             a, b, s = ad
             y.addmm_(xa[:, col:col + a.shape[0]], b.to(dt).t(), alpha=s)
             col += a.shape[0]
@@ -293,16 +294,21 @@ def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None) -> tuple[t
 
 def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | None, scratch) -> torch.Tensor:
     """dX = dYB [A_p] + Σ_p dY_p W_p; the rank-r term first so each base product accumulates in
-    the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``; FP8 ones are
-    multiplied as codes (``fp8.grad_input_product``)."""
-    dx = None if dyb is None else torch.mm(dyb, a_stacked)
+    the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``. FP8 ones are
+    multiplied as codes (``fp8.grad_input_product``) into buffers of their own (an FP8 product
+    does not accumulate): they come first, the first one's buffer becomes dX and the rank-r term
+    is accumulated onto it by a small product (one pass over dX instead of a write and an add)."""
+    dx = None
     for dy, base in zip(dys, bases):
-        if base.is_fp8:  # its own output buffer (no accumulating FP8 product), added on
+        if base.is_fp8:
             part = grad_input_product(dy, base.fp8)
             dx = part if dx is None else dx.add_(part)
-            continue
-        w = base.materialize(out=scratch, dtype=dy.dtype, for_grad_input=True)
-        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
+    if dyb is not None:
+        dx = torch.mm(dyb, a_stacked) if dx is None else dx.addmm_(dyb, a_stacked)
+    for dy, base in zip(dys, bases):
+        if not base.is_fp8:
+            w = base.materialize(out=scratch, dtype=dy.dtype, for_grad_input=True)
+            dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
     return dx
 
 

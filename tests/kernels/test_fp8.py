@@ -40,7 +40,7 @@ def _is_pow2(t: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 33), (5, 2500), (1, 1)])
+@pytest.mark.parametrize("shape", [(7, 33), (5, 2500), (1, 1), (3, 17000)])  # 17000: wider than one tile
 @pytest.mark.parametrize("with_col", [False, True])
 def test_quantize_rows_matches_reference_bitwise(device, dtype, shape, with_col):
     n, k = shape
