@@ -70,6 +70,59 @@ def _glu_fwd_kernel(
 
 
 @triton.jit
+def _rank_term(
+    xa_ptr,  # XA [n_rows, rank], rows stride_xa apart, unit column stride
+    b_ptr,  # B [n_cols, rank], contiguous
+    rows, cols, n_rows, n_cols, rank,
+    stride_xa,
+    R_PAD: tl.constexpr, FP32: tl.constexpr,
+):
+    """XA Bᵀ over one [rows, cols] tile, fp32: XA [n_rows, rank] rows stride_xa apart, B [n_cols, rank]
+    contiguous; the rank padded to R_PAD (≥ 16, tl.dot's least K) with zeros."""
+    k = tl.arange(0, R_PAD)
+    xa = tl.load(xa_ptr + rows * stride_xa + k[None, :], mask=(rows < n_rows) & (k[None, :] < rank), other=0.0)
+    bt = tl.load(b_ptr + cols * rank + k[:, None], mask=(cols < n_cols) & (k[:, None] < rank), other=0.0)
+    if FP32:
+        return tl.dot(xa.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+    return tl.dot(xa, bt)  # 16-bit operands, fp32 products and sums
+
+
+@triton.jit
+def _glu_rank_fwd_kernel(
+    g_ptr,  # gate(X)'s base product X W_gᵀ [n_rows, I], contiguous; DTYPE; G is written over it
+    u_ptr,  # up(X)'s base product X W_uᵀ [n_rows, I], contiguous; DTYPE; U is written over it
+    h_ptr,  # out: H = act(G)·U [n_rows, I], rows stride_h apart, unit column stride; DTYPE
+    xag_ptr,  # X A_gᵀ [n_rows, r_g], rows stride_xag apart; DTYPE (read when HAS_G)
+    bg_ptr,  # B_g [I, r_g], contiguous; DTYPE (read when HAS_G)
+    xau_ptr,  # X A_uᵀ [n_rows, r_u], rows stride_xau apart; DTYPE (read when HAS_U)
+    bu_ptr,  # B_u [I, r_u], contiguous; DTYPE (read when HAS_U)
+    n_rows, n_cols, r_g, r_u, s_g, s_u,
+    stride_h, stride_xag, stride_xau,
+    ACT: tl.constexpr, DTYPE: tl.constexpr, HAS_G: tl.constexpr, HAS_U: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # G = X W_gᵀ + s_g·XA_g B_gᵀ (likewise U), each rounded once to DTYPE as cuBLAS's addmm_ rounds
+    # it, written back for backward; H from the rounded G and U, as glu_forward computes it.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    g = tl.load(g_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_G:
+        g = cast_rne(g + s_g * _rank_term(xag_ptr, bg_ptr, rows, cols, n_rows, n_cols, r_g, stride_xag, R_PAD,
+                                          DTYPE == tl.float32), DTYPE)
+        tl.store(g_ptr + rows * n_cols + cols, g, mask=mask)
+        g = g.to(tl.float32)
+    if HAS_U:
+        u = cast_rne(u + s_u * _rank_term(xau_ptr, bu_ptr, rows, cols, n_rows, n_cols, r_u, stride_xau, R_PAD,
+                                          DTYPE == tl.float32), DTYPE)
+        tl.store(u_ptr + rows * n_cols + cols, u, mask=mask)
+        u = u.to(tl.float32)
+    a, _ = _act_and_grad(g, ACT)
+    tl.store(h_ptr + rows * stride_h + cols, cast_rne(a * u, DTYPE), mask=mask)
+
+
+@triton.jit
 def _glu_bwd_kernel(
     g_ptr,  # G [n], contiguous; DTYPE; dG is written over it
     u_ptr,  # U [n], contiguous; DTYPE; dU is written over it
@@ -132,6 +185,48 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor | 
     return out
 
 
+def glu_forward_rank_(g: torch.Tensor, u: torch.Tensor, xa: torch.Tensor, adapters, act: str,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """G ← G + s_g·XA_g B_gᵀ and U ← U + s_u·XA_u B_uᵀ in place (each rounded once to G's dtype),
+    then H = act(G)·U as ``glu_forward`` computes it: the rank-r terms of a non-widened gate/up
+    pair inside the GLU pass instead of one ``addmm_`` pass over each of G and U.
+
+    ``xa``: the stacked [N, Σr] X [A_g; A_u]ᵀ (``lora.stacked_xa``); ``adapters``: [(A, B, s) or None]
+    for gate and up, in that order (their columns of ``xa`` in that order); ``out`` as in ``glu_forward``."""
+    _check_flat(gate=g, up=u)
+    if xa.stride(1) != 1:
+        raise ValueError("xa must have unit column stride")
+    if out is None:
+        out = torch.empty_like(g)  # every element stored
+    dt = g.dtype
+    if not use_triton(g, u, xa):
+        col = 0
+        for y, ad in zip((g, u), adapters):
+            if ad is not None:
+                y.addmm_(xa[:, col:col + ad[0].shape[0]], ad[1].to(dt).t(), alpha=ad[2])
+                col += ad[0].shape[0]
+        return glu_forward(g, u, act, out=out)
+    rows, cols = g.shape
+    args, col, ranks = [], 0, []
+    for ad in adapters:
+        if ad is None:
+            args += [xa, xa, 0, 0.0]  # never read (HAS_* False)
+            ranks.append(0)
+            continue
+        r = ad[0].shape[0]
+        args += [xa[:, col:col + r], ad[1].to(dt).contiguous(), r, float(ad[2])]
+        ranks.append(r)
+        col += r
+    block_m, block_n = 64, min(128, triton.next_power_of_2(max(cols, 16)))
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    _glu_rank_fwd_kernel[grid](
+        g, u, out, args[0], args[1], args[4], args[5], rows, cols, args[2], args[6], args[3], args[7],
+        out.stride(0), xa.stride(0), xa.stride(0), ACT=_ACTIVATIONS[act], DTYPE=_TL_DTYPE[dt],
+        HAS_G=adapters[0] is not None, HAS_U=adapters[1] is not None,
+        R_PAD=max(16, triton.next_power_of_2(max(ranks))), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+    return out
+
+
 def glu_backward_(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: str, store_h: bool) -> None:
     """In place: G ← dH·U·act'(G), U ← dH·act(G), and dH ← act(G)·U when ``store_h``."""
     _check_flat(gate=g, up=u, grad_h=dh)
@@ -160,7 +255,9 @@ class LoRAMLPFunction(torch.autograd.Function):
         scratch = scratch_for(bases, x.dtype, x.device)
         gu_adapters = adapters_of((ag, bg, au, bu), scalings[:2])
         xa, ctx.a_gu = stacked_xa(x2, gu_adapters)
-        g, u = project(x2, (gate, up), gu_adapters, xa, scratch)
+        # Not widened (NF4 and FP8 bases, lora_widen off): the rank-r terms join the GLU pass.
+        rank_in_glu = xa is not None and use_triton(x2) and wide_columns((gate, up), gu_adapters, x.dtype) is None
+        g, u = project(x2, (gate, up), gu_adapters, xa, scratch, rank_terms=not rank_in_glu)
         d_adapters = adapters_of((ad, bd), scalings[2:])
         # A widened down projection (lora_wide.py) reads H from the first columns of its widened
         # input: the GLU kernel writes it there, no copy.
@@ -170,7 +267,9 @@ class LoRAMLPFunction(torch.autograd.Function):
             # H·A_dᵀ reads H before project_wide fills the tail, and a GEMM may read past a row's
             # end (spare_columns.output_rows): zeros there, never garbage.
             hcat[:, g.shape[1]:].zero_()
-        h = glu_forward(g, u, act, out=None if hcat is None else hcat[:, : g.shape[1]])
+        h_out = None if hcat is None else hcat[:, : g.shape[1]]
+        h = (glu_forward_rank_(g, u, xa, gu_adapters, act, out=h_out) if rank_in_glu
+             else glu_forward(g, u, act, out=h_out))
         ha, ctx.a_d = stacked_xa(h, d_adapters)
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
             y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)

@@ -159,8 +159,8 @@ def test_output_unused_skips_down_but_keeps_every_gradient(device, nf4, monkeypa
     full = torch.autograd.grad(y, params, dy)
     projected = []
     real_project = lora_glu.project
-    monkeypatch.setattr(lora_glu, "project", lambda x2, bases, *a: projected.append(len(bases)) or
-                        real_project(x2, bases, *a))
+    monkeypatch.setattr(lora_glu, "project", lambda x2, bases, *a, **k: projected.append(len(bases)) or
+                        real_project(x2, bases, *a, **k))
     y_skip = lora_mlp(x, *specs, output_unused=True)
     assert projected == [2]  # gate and up only
     assert y_skip.shape == y.shape and torch.isnan(y_skip).all()
@@ -216,3 +216,40 @@ def test_glu_forward_writes_into_a_wider_buffer(device):
         lora_glu.glu_forward(g, u, "silu", out=buf[:, :202])
     with pytest.raises(ValueError, match="unit column stride"):
         lora_glu.glu_forward(g, u, "silu", out=torch.empty(203, 13, device=device).t())
+
+
+# --- The rank-r terms inside the GLU pass (glu_forward_rank_) ----------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", [(16, 16), (8, 24), (5, 0), (0, 3)], ids=["16-16", "8-24", "gate-only", "up-only"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_rank_terms_in_the_glu_pass(device, dtype, ranks, activation):
+    """G ← G + s_g XA_g B_gᵀ and U likewise, in place: the float64 value rounded once (within an ulp,
+    plus fp32 summation error); H bitwise glu_forward of the G and U written."""
+    n, i = 37, 150
+    g = torch.Generator().manual_seed(sum(ranks) + n)
+    gb, ub = (torch.randn(n, i, generator=g).to(device, dtype) for _ in range(2))
+    xa = torch.randn(n, sum(ranks) + 2, generator=g).to(device, dtype)[:, 1:1 + sum(ranks)]  # a column view
+    adapters, col, want, mag = [], 0, [], []
+    for r, base, s in zip(ranks, (gb, ub), (0.5, 2.0)):
+        if r == 0:
+            adapters.append(None)
+            want.append(base.double())
+            mag.append(base.double().abs())
+            continue
+        b = torch.randn(i, r, generator=g).to(device, torch.float32)  # PEFT's float32 adapters
+        adapters.append((torch.zeros(r, 3), b, s))
+        xa_p, b_p = xa[:, col:col + r].double(), b.to(dtype).double()
+        want.append(base.double() + s * (xa_p @ b_p.t()))
+        mag.append(base.double().abs() + s * (xa_p.abs() @ b_p.abs().t()))  # what fp32 sums round against
+        col += r
+    g_out, u_out = gb.clone(), ub.clone()
+    with pytest.raises(ValueError, match="unit column stride"):
+        lora_glu.glu_forward_rank_(g_out, u_out, xa.t().contiguous().t(), adapters, activation)
+    h = lora_glu.glu_forward_rank_(g_out, u_out, xa.contiguous(), adapters, activation)
+    ulp = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    for got, w, m, name in ((g_out, want[0], mag[0], "G"), (u_out, want[1], mag[1], "U")):
+        err = (got.double() - w).abs() - 2 * ulp * w.abs() - 64 * 2.0 ** -24 * m
+        assert (err <= 0).all(), (name, err.max().item())
+    assert torch.equal(h, lora_glu.glu_forward(g_out.clone(), u_out.clone(), activation))
+    assert not torch.isnan(h).any()
