@@ -185,7 +185,9 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
     stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
     fast16 = copy.deepcopy(stock16)
     report = patch_model(fast16, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type), str(report)
+    patched = dict(report.patched)
+    patched.pop("expandable_segments", None)  # the CUDA allocator switch (test_allocator.py), not a family kernel
+    assert patched == expected_counts(model_type), str(report)
     curve32, curve_stock, curve_fast = (_train(m, steps, device) for m in (ref32, stock16, fast16))
     c32, cs, cf = (torch.tensor(c, dtype=torch.float64) for c in (curve32, curve_stock, curve_fast))
     detail = f"fp32 {curve32}\nstock bf16 {curve_stock}\nfast bf16 {curve_fast}"
