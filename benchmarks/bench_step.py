@@ -221,6 +221,7 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
                                                residual_norms=not args.no_residual_norms,
                                                base_dtype="fp8" if fp8 else "auto",
                                                attention_stash=args.attention_stash and mode != "recompute",
+                                               memory_budget_gb=args.memory_budget_gb if mode == "auto" else None,
                                                **({} if args.loss_workspace_mib is None
                                                   else {"loss_workspace_mib": args.loss_workspace_mib})))
         log("    " + str(report).replace("\n", "\n    "))
@@ -341,9 +342,10 @@ def measure(step: Step, tokens: int, warmup: int, steps: int, gc_mode: str = "on
     step.phases, step.clocks = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        step()
+        loss = step()
         sync()
         times.append(time.perf_counter() - t0)
+        loss0 = float(loss) if loss0 is None else loss0  # --warmup 0: the first timed step's
     collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections0)]
     phases = step.phase_ms()
     step.phases = None
@@ -554,7 +556,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
         + (["--attention-stash"] if args.attention_stash else []) \
         + ["--gc", args.gc] \
-        + ([] if args.loss_workspace_mib is None else ["--loss-workspace-mib", str(args.loss_workspace_mib)])
+        + ([] if args.loss_workspace_mib is None else ["--loss-workspace-mib", str(args.loss_workspace_mib)]) \
+        + ([] if args.memory_budget_gb is None else ["--memory-budget-gb", str(args.memory_budget_gb)])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -637,6 +640,8 @@ def parse_args(argv=None):
                    help="fasttune's checkpointing mode")
     p.add_argument("--auto-budget-gib", type=float, default=80.0,
                    help="GPU memory the fasttune-auto process may use (weights included)")
+    p.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="auto stacks: FastConfig.memory_budget_gb, the activations' budget (default: free memory)")
     p.add_argument("--no-lora-widen", action="store_true",
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
     p.add_argument("--attention-stash", action="store_true",

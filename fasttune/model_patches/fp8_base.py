@@ -32,6 +32,7 @@ from torch import nn
 from ..kernels.fp8 import Fp8Weight, fp8_linear, product_path
 from ..kernels.lora import BaseWeight, autocast_input
 from .instance import PatchedForward
+from .module_attr import module_attr
 from .report import FUSED, PatchReport
 from .zero3 import is_zero3_param
 
@@ -51,14 +52,14 @@ def fp8_op(projection: str) -> str:
 
 def is_fp8_layer(layer: nn.Module) -> bool:
     """True for a layer ``to_fp8`` converted (uint8 codes and their scale buffer)."""
-    weight, scale = getattr(layer, "weight", None), getattr(layer, SCALE_NAME, None)
+    weight, scale = module_attr(layer, "weight"), module_attr(layer, SCALE_NAME)
     return (isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8
             and isinstance(scale, torch.Tensor) and scale.dtype == torch.int32)
 
 
 def fp8_weight_of(layer: nn.Module) -> Fp8Weight:
     """The layer's codes and scales (as they are now: FSDP may have gathered or resharded them)."""
-    return Fp8Weight(layer.weight, getattr(layer, SCALE_NAME).view(torch.float32))
+    return Fp8Weight(module_attr(layer, "weight"), module_attr(layer, SCALE_NAME).view(torch.float32))
 
 
 class Fp8LinearForward(PatchedForward):

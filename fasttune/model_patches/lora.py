@@ -55,6 +55,7 @@ from .instance import stock_is_faster
 from .lora_specs import lora_spec
 from .lora_widen import Unwiden, widen_group
 from .mlp import check_mlp, config_activation, mlp_forward
+from .module_attr import base_layer_of, module_attr
 from .report import FUSED, PatchReport
 from .zero3 import is_zero3_param, only_zero3_hooks
 
@@ -70,7 +71,7 @@ def is_lora_layer(module: nn.Module) -> bool:
 
 
 def _base_layer(proj: nn.Module) -> nn.Module:
-    return proj.get_base_layer() if hasattr(proj, "get_base_layer") else proj
+    return base_layer_of(proj)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -105,20 +106,21 @@ def projection_specs(module: nn.Module, names: tuple[str, ...], at_call: bool = 
     """
     specs, disabled_wide = [], False
     for name in names:
-        proj = getattr(module, name, None)
+        proj = module_attr(module, name)
         if not isinstance(proj, nn.Module):
             return f"no `{name}` submodule"
         spec = lora_spec(proj, zero3_owner=module if at_call else None, ignore_disabled=ignore_disabled)
         if isinstance(spec, str):
             return f"{name}: {spec}"
-        zero3 = is_zero3_param(getattr(_base_layer(proj), "weight", None))
-        if any(_hooked(m) and not (zero3 and only_zero3_hooks(m)) for m in (proj, _base_layer(proj))):
+        base = _base_layer(proj)
+        zero3 = is_zero3_param(module_attr(base, "weight"))
+        if any(_hooked(m) and not (zero3 and only_zero3_hooks(m)) for m in (proj, base)):
             return f"{name}: forward hooks on the projection (the fused path would skip them)"
         if spec[0].is_nf4 and getattr(spec[0].quant_state, "packing_format_for_cpu", False):
             return f"{name}: NF4 weight repacked by bitsandbytes' CPU inference path"
         specs.append(spec)
         # A LoRA layer over a widened base runs its disabled-adapter calls widened too (lora_spec).
-        disabled_wide |= is_lora_layer(proj) and spec[0].wide is not None
+        disabled_wide |= spec[0].wide is not None and is_lora_layer(proj)
     if all(spec[1] is None for spec in specs) and not disabled_wide:
         return f"no active LoRA adapter on {', '.join(names)}"
     return specs

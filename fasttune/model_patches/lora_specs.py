@@ -22,6 +22,7 @@ from torch import nn
 from ..kernels.lora import BaseWeight
 from .fp8_base import fp8_weight_of, is_fp8_layer
 from .lora_widen import wide_of
+from .module_attr import base_layer_of, module_attr
 from .zero3 import is_zero3_param, zero3_ready
 
 __all__ = ["lora_spec"]
@@ -29,10 +30,10 @@ __all__ = ["lora_spec"]
 
 def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight | str:
     """The frozen weight (and bias) of a plain linear or bitsandbytes NF4 layer."""
-    weight = getattr(layer, "weight", None)
+    weight = module_attr(layer, "weight")
     if not isinstance(weight, torch.Tensor):
         return f"base layer {type(layer).__name__} has no weight tensor"
-    bias = getattr(layer, "bias", None)
+    bias = module_attr(layer, "bias")
     if bias is not None and bias.requires_grad:
         return "base layer bias is trainable"
     if weight.requires_grad:
@@ -50,7 +51,7 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
         return "8-bit bitsandbytes base layer"
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is None:  # FSDP may strip it off the parameter; bitsandbytes keeps a copy on the layer
-        quant_state = getattr(layer, "quant_state", None)
+        quant_state = module_attr(layer, "quant_state")
     if type(layer).__name__ == "Linear4bit" or quant_state is not None:
         if quant_state is None:
             return "bitsandbytes Linear4bit weight is not quantized yet (move the model to its device first)"
@@ -62,13 +63,13 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
     return BaseWeight(weight, None, bias, wide_of(layer, weight))
 
 
-def _active_adapter(module: nn.Module) -> str | None:
+def _active_adapter(module: nn.Module, lora_a_dict) -> str | None:
     active = getattr(module, "active_adapters", None)
     if active is None:
         active = getattr(module, "active_adapter", None)
     if isinstance(active, str):
         active = [active]
-    active = [a for a in (active or []) if a in module.lora_A]
+    active = [a for a in (active or []) if a in lora_a_dict]
     return active[0] if len(active) == 1 else (None if not active else "")
 
 
@@ -85,39 +86,39 @@ def lora_spec(module: nn.Module, zero3_owner: nn.Module | None = None, ignore_di
     ``ignore_disabled``: the spec as if PEFT's ``disable_adapter()`` were not in force (its ranks
     size the widened layout before a reference pass, ``lora_widen.py``).
     """
-    if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
+    lora_a_dict = module_attr(module, "lora_A")
+    if module_attr(module, "base_layer") is None or lora_a_dict is None:
         base = _base_weight(module, zero3_owner)
         return base if isinstance(base, str) else (base, None, None, 0.0)
     if getattr(module, "merged", False):
         return "LoRA adapter merged into the base weight"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out (Conv1D-style) weights"
-    base = _base_weight(module.get_base_layer() if hasattr(module, "get_base_layer") else module.base_layer,
-                        zero3_owner)
+    base = _base_weight(base_layer_of(module), zero3_owner)
     if isinstance(base, str):
         return base
     if getattr(module, "disable_adapters", False) and not ignore_disabled:
         # A widened base (lora_widen.py) runs the disabled pass through the same widened product
         # with a zero tail, so a fresh adapter's output (B = 0) is bitwise this one; else PEFT's path.
         return (base, None, None, 0.0) if base.wide is not None else "LoRA adapters disabled"
-    adapter = _active_adapter(module)
+    adapter = _active_adapter(module, lora_a_dict)
     if adapter == "":
         return "several active LoRA adapters"
     if adapter is None:
         return base, None, None, 0.0
-    if adapter in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(adapter, False):
+    if adapter in module_attr(module, "lora_variant", {}) or module_attr(module, "use_dora", {}).get(adapter, False):
         return "LoRA variant (DoRA, aLoRA, ...) is not fused"
-    dropout = module.lora_dropout[adapter]
+    dropout = module_attr(module, "lora_dropout")[adapter]
     if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)):
         return "lora_dropout > 0"
-    lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+    lora_a, lora_b = lora_a_dict[adapter], module_attr(module, "lora_B")[adapter]
     if not (isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)):
         return "LoRA A/B are not linear layers"
-    if lora_b.bias is not None or lora_a.bias is not None:
+    if module_attr(lora_b, "bias") is not None or module_attr(lora_a, "bias") is not None:
         return "LoRA bias (lora_bias=True)"
     scaling = module.scaling[adapter]
     if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
         return f"scaling of type {type(scaling).__name__}"
-    if zero3_owner is not None and not zero3_ready(zero3_owner, lora_a.weight, lora_b.weight):
+    if zero3_owner is not None and not zero3_ready(zero3_owner, module_attr(lora_a, "weight"), module_attr(lora_b, "weight")):
         return "DeepSpeed ZeRO-3 adapter weights not gathered for the fused path"
-    return base, lora_a.weight, lora_b.weight, float(scaling)
+    return base, module_attr(lora_a, "weight"), module_attr(lora_b, "weight"), float(scaling)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..kernels.lora import BaseWeight
 from ..kernels.lora_wide import TAIL_MULTIPLE, WideWeight
+from .module_attr import base_layer_of, module_attr
 from .zero3 import is_zero3_param
 
 __all__ = ["WIDE_ATTR", "widen_group", "unwiden", "wide_of"]
@@ -35,7 +36,7 @@ WIDE_ATTR = "_fasttune_wide"
 
 
 def _layer(proj: nn.Module) -> nn.Module:
-    return proj.get_base_layer() if hasattr(proj, "get_base_layer") else proj
+    return base_layer_of(proj)
 
 
 def wide_of(layer: nn.Module, weight: torch.Tensor):
@@ -59,7 +60,7 @@ def _owns_storage(weight: torch.Tensor) -> bool:
 
 
 def _can_widen(layer: nn.Module, base: BaseWeight, dtype: torch.dtype) -> bool:
-    weight = getattr(layer, "weight", None)
+    weight = module_attr(layer, "weight")
     return (isinstance(layer, nn.Linear) and isinstance(weight, nn.Parameter) and base.weight is weight
             and not base.is_nf4 and not base.is_fp8 and not weight.requires_grad and weight.dtype == dtype
             and not is_zero3_param(weight) and (base.wide is not None or _owns_storage(weight)))
@@ -98,6 +99,8 @@ def widen_group(projections: list[nn.Module], specs: list, dtype: torch.dtype, i
         return specs  # widened already, with room for these adapters
     if input_copied and sum(b.shape[0] for b in bases) <= bases[0].shape[1]:
         return specs  # copying X would cost as much as the rank-r passes it saves
+    if any(b.is_nf4 or b.is_fp8 for b in bases):
+        return specs  # quantised bases are not widened (_can_widen)
     layers = [_layer(p) for p in projections]
     if not all(_can_widen(layer, base, dtype) for layer, base in zip(layers, bases)):
         return specs

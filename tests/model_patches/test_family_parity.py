@@ -24,6 +24,7 @@ from peft import LoraConfig, get_peft_model
 
 from fasttune import FastConfig, patch_model, unpatch_model
 from helpers.compare import assert_grads_close, rel_err
+from helpers.spies import model_patch_counts
 from helpers.tiny_models import FAMILY_TYPES, make_batch, tiny_model
 
 LAYERS = 2  # tiny_models' num_hidden_layers
@@ -67,7 +68,7 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
     stock = tiny_model(model_type, seed=1).to(device)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type), str(report)
+    assert model_patch_counts(report) == expected_counts(model_type), str(report)
     assert report.fallbacks == [], str(report)
 
     batch = make_batch(stock.config.vocab_size, seed=11, device=device)
@@ -92,7 +93,7 @@ def test_lora_parity(model_type, device):
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     lora_counts = {"lora_qkv": LAYERS, "lora_o": LAYERS, "lora_mlp": LAYERS}
-    assert dict(report.patched) == {**expected_counts(model_type), **lora_counts}, str(report)
+    assert model_patch_counts(report) == {**expected_counts(model_type), **lora_counts}, str(report)
     assert report.fallbacks == [], str(report)
     trainable = [n for n, p in fast.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -185,9 +186,7 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
     stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
     fast16 = copy.deepcopy(stock16)
     report = patch_model(fast16, FastConfig())
-    patched = dict(report.patched)
-    patched.pop("expandable_segments", None)  # the CUDA allocator switch (test_allocator.py), not a family kernel
-    assert patched == expected_counts(model_type), str(report)
+    assert model_patch_counts(report) == expected_counts(model_type), str(report)
     curve32, curve_stock, curve_fast = (_train(m, steps, device) for m in (ref32, stock16, fast16))
     c32, cs, cf = (torch.tensor(c, dtype=torch.float64) for c in (curve32, curve_stock, curve_fast))
     detail = f"fp32 {curve32}\nstock bf16 {curve_stock}\nfast bf16 {curve_fast}"

@@ -22,6 +22,7 @@ from peft import LoraConfig, get_peft_model
 from fasttune import FastConfig, patch_model, unpatch_model
 from fasttune.model_patches.report import FUSED
 from helpers.compare import assert_grads_close, grad_errors, rel_err
+from helpers.spies import model_patch_counts
 from helpers.tiny_models import MOE_TYPES, make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -71,7 +72,7 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
     stock = tiny_model(model_type, seed=1).to(device)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type), str(report)
+    assert model_patch_counts(report) == expected_counts(model_type), str(report)
     assert report.fallbacks == [], str(report)
     out = _compare(stock, fast, seed=11, device=device)
     assert report.calls["moe", FUSED] == MOE_BLOCKS[model_type]

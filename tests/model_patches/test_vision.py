@@ -25,7 +25,7 @@ import copy
 import pytest
 import torch
 from helpers.compare import assert_grads_close, rel_err
-from helpers.spies import count_fused_lora
+from helpers.spies import count_fused_lora, model_patch_counts
 from helpers.tiny_vlms import IMAGE_ID, VLM_TYPES, tiny_vlm, vlm_batch
 from peft import LoraConfig, get_peft_model
 
@@ -86,7 +86,7 @@ def test_full_finetune_parity(model_type, device):
     stock = tiny_vlm(model_type, seed=1).to(device)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type), str(report)
+    assert model_patch_counts(report) == expected_counts(model_type), str(report)
     _only_vision_fallback(report)
 
     # Image tokens keep their labels in Qwen's batch (TRL's collator does not mask them), not in Gemma's.
@@ -131,7 +131,7 @@ def test_lora_language_tower_parity(model_type, device, monkeypatch):
     stock = _lora(tiny_vlm(model_type, seed=2).to(device), LANGUAGE_TARGETS)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type, lora=True), str(report)
+    assert model_patch_counts(report) == expected_counts(model_type, lora=True), str(report)
     _only_vision_fallback(report)
     trainable = [n for n, p in fast.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and "language_model" in n for n in trainable)
@@ -251,7 +251,7 @@ def test_real_widths_bf16_lora_gpu(model_type, monkeypatch):
             p.data = p.data.bfloat16()
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert dict(report.patched) == expected_counts(model_type, lora=True), str(report)
+    assert model_patch_counts(report) == expected_counts(model_type, lora=True), str(report)
     spy = count_fused_lora(monkeypatch)
     batch = vlm_batch(model_type, ref.config, seed=16, prompt_lens=(200, 150), answer_lens=(240, 280),
                       device="cuda")

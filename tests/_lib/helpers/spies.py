@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from fasttune.model_patches import lora as lora_mod
+from fasttune.model_patches.allocator import OP as ALLOCATOR_OP
 
 
 def count_fused_lora(monkeypatch) -> Counter:
@@ -19,3 +20,9 @@ def count_fused_lora(monkeypatch) -> Counter:
 
         monkeypatch.setattr(lora_mod, name, counted)
     return calls
+
+
+def model_patch_counts(report) -> dict[str, int]:
+    """``report.patched`` without the CUDA allocator switch, which only a CUDA machine reports
+    (test_allocator.py tests it): the model's own patches, the same on CPU and GPU."""
+    return {op: n for op, n in report.patched.items() if op != ALLOCATOR_OP}
