@@ -183,6 +183,9 @@ def worker(stack: str, args) -> None:
                 row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", None)
                 for out in row["profile"].splitlines()[:60]:
                     log("  " + out)
+            if stack in args.host_profile:
+                row["host_profile"] = common.host_profile(step)
+                log(row["host_profile"])
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
         except Exception as err:  # noqa: BLE001
@@ -210,7 +213,8 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
            "--weights", args.weights, "--experts-nf4", args.experts_nf4,
-           "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile)] + (["--smoke"] if args.smoke else [])
+           "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile),
+           "--host-profile", ",".join(args.host_profile)] + (["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -272,6 +276,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--profile", default="", help="stacks (comma-separated) whose extra step is profiled: "
                    "top kernels, GEMMs by shape, idle gaps (stored in the JSON row and printed)")
+    p.add_argument("--host-profile", default="", help="cProfile one extra step of these stacks (host time by function)")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -280,6 +285,7 @@ def parse_args(argv=None):
                          if s in STACKS else p.error(f"unknown stack {s!r}"))
     args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
     args.profile = [s for s in args.profile.split(",") if s]
+    args.host_profile = [s for s in args.host_profile.split(",") if s]
     if args.layers is None:
         args.layers = 2 if args.smoke else 8
     if args.smoke and args.shapes == [(4, 2048)]:

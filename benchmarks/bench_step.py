@@ -409,10 +409,20 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
     head = (f"wall {wall_ms:.1f} ms (profiled), kernels {kernels_ms:.1f} ms; by kind: "
             + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
     return (head + "\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
-            + "\n" + gemm_table(prof) + "\n\n" + gaps)
+            + "\n" + gemm_table(prof) + "\n\n" + runtime_table(averages) + "\n\n" + gaps)
 
 
-def host_profile(step: Step, rows: int = 35) -> str:
+def runtime_table(averages) -> str:
+    """CUDA runtime/driver calls of the profiled step by host time: a synchronising call (stream, event or
+    device synchronize, a blocking copy, cudaMalloc/cudaFree, pinned host allocation) stalls the host until
+    the GPU drains, after which every launch is exposed."""
+    rows = sorted(((e.key, e.count, e.self_cpu_time_total / 1e3) for e in averages
+                   if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudnn")), key=lambda r: -r[2])
+    return ("CUDA runtime calls (host ms)\n| call | count | host ms |\n|---|---|---|\n"
+            + "\n".join(f"| {k} | {n} | {ms:.1f} |" for k, n, ms in rows[:20]))
+
+
+def host_profile(step: Step, rows: int = 70) -> str:
     """cProfile of one step's host side (Python and the time spent inside torch calls), by own time:
     where a host-bound step's GPU waits come from."""
     import cProfile

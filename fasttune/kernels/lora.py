@@ -241,6 +241,20 @@ def _scaled_(t: torch.Tensor, s: float) -> torch.Tensor:
     return t if s == 1 else t.mul_(s)
 
 
+def cast_b(bases, adapters, dt: torch.dtype) -> list[torch.Tensor | None]:
+    """Each adapter's B in ``dt`` (None where a projection has no adapter, and for a widened group,
+    whose B goes straight into its buffer's tail): cast once in forward and saved for backward,
+    which would otherwise cast it again."""
+    if wide_columns(bases, adapters, dt) is not None:
+        return [None] * len(adapters)
+    return [None if ad is None else ad[1].to(dt) for ad in adapters]
+
+
+def _b_as(ad, bc: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
+    """B of adapter ``ad`` in ``dt``: ``bc`` (its forward cast) when it is that, else cast now."""
+    return bc if bc is not None and bc.dtype == dt else ad[1].to(dt)
+
+
 def stacked_xa(x2: torch.Tensor, adapters) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(XA, [A_p; ...]): XA = X [A_p; ...]ᵀ for the projections p of one input that have an adapter
     (one product), and the stacked A in x's dtype, which backward reuses instead of casting again."""
@@ -249,7 +263,7 @@ def stacked_xa(x2: torch.Tensor, adapters) -> tuple[torch.Tensor | None, torch.T
 
 
 def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
-            xcat: torch.Tensor | None = None, rank_terms: bool = True) -> list[torch.Tensor]:
+            xcat: torch.Tensor | None = None, rank_terms: bool = True, b_cast=None) -> list[torch.Tensor]:
     """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p of one input.
 
     Widened bases (``lora_wide.py``): one product per projection over [X | s·XA]. Otherwise the
@@ -257,13 +271,14 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
     one pass (module docstring: with B = 0 the output is bitwise the base layer's). ``xcat``: a
     widened input already holding X (the GLU kernel writes H there), used when the bases are widened.
     ``rank_terms=False``: base products only where not widened (``lora_glu`` adds the terms in its pass).
+    ``b_cast``: ``cast_b``'s B per projection, or None (cast here).
     """
     dt = x2.dtype
     cols = wide_columns(bases, adapters, dt)
     if cols is not None:
         return project_wide(x2, bases, adapters, xa, cols, xcat)
     ys, col, xq = [], 0, None
-    for base, ad in zip(bases, adapters):
+    for p, (base, ad) in enumerate(zip(bases, adapters)):
         if base.is_fp8:
             if xq is None:  # one quantisation of X for every FP8 projection of it
                 xq = quantize_rows(x2)
@@ -274,17 +289,20 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
             w = base.materialize(out=scratch, dtype=dt)
             y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
         if ad is not None and rank_terms:
-            a, b, s = ad
-            y.addmm_(xa[:, col:col + a.shape[0]], b.to(dt).t(), alpha=s)
-            col += a.shape[0]
+            r = ad[0].shape[0]
+            y.addmm_(xa[:, col:col + r], _b_as(ad, None if b_cast is None else b_cast[p], dt).t(), alpha=ad[2])
+            col += r
         ys.append(y)
     return ys
 
 
-def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None,
+                b_cast=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dYB = [s_p dY_p B_p]_p stacked by columns [N, Σr], and the matching stacked [A_p] [Σr, in]
-    (``a_stacked`` when the forward kept it, else cast and stacked here)."""
-    parts = [_scaled_(torch.mm(dy, ad[1].to(dy.dtype)), ad[2]) for dy, ad in zip(dys, adapters) if ad is not None]
+    (``a_stacked`` when the forward kept it, else cast and stacked here; B from ``b_cast`` likewise)."""
+    b_cast = b_cast or [None] * len(adapters)
+    parts = [_scaled_(torch.mm(dy, _b_as(ad, bc, dy.dtype)), ad[2])
+             for dy, ad, bc in zip(dys, adapters, b_cast) if ad is not None]
     if not parts:
         return None, None
     if a_stacked is None:
@@ -331,9 +349,9 @@ def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
     return da, db
 
 
-def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None):
+def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, b_cast=None):
     """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's);
-    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None. A widened group that needs
+    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None; ``b_cast``: its ``cast_b``, or None. A widened group that needs
     dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``)."""
     need_x, need_a, need_b = need
     cols = wide_columns(bases, adapters, dys[0].dtype) if need_x and any(ad is not None for ad in adapters) else None
@@ -342,7 +360,7 @@ def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None):
             a_stacked = _stack_a(adapters, dys[0].dtype)
         dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked)
     else:
-        dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked) if (need_x or any(need_a)) else (None, None)
+        dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked, b_cast) if (need_x or any(need_a)) else (None, None)
         dx = grad_input(dys, bases, dyb, a_stacked, scratch) if need_x else None
     da, db = adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b)
     return dx, da, db
@@ -356,21 +374,24 @@ class LoRALinearFunction(torch.autograd.Function):
         out_f, in_f = base.shape
         x2 = x.reshape(-1, in_f)
         adapters = adapters_of((lora_a, lora_b), (scaling,))
-        xa, ctx.a_stacked = stacked_xa(x2, adapters)
-        (y,) = project(x2, (base,), adapters, xa, None)
-        ctx.save_for_backward(x, xa, lora_a, lora_b)
+        xa, a_stacked = stacked_xa(x2, adapters)
+        b_cast = cast_b((base,), adapters, x2.dtype)
+        (y,) = project(x2, (base,), adapters, xa, None, b_cast=b_cast)
+        # The casts are saved tensors (not ctx attributes): a checkpointed layer does not hold them
+        # from its forward to its backward, its recompute makes them again.
+        ctx.save_for_backward(x, xa, lora_a, lora_b, a_stacked, *b_cast)
         ctx.base, ctx.scaling = base, scaling
         # Not a view of an internal buffer: callers (RoPE, in place) may modify outputs in place.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], out_f))
 
     @staticmethod
     def backward(ctx, dy):
-        x, xa, lora_a, lora_b = ctx.saved_tensors
+        x, xa, lora_a, lora_b, a_stacked, b_cast = ctx.saved_tensors
         base = ctx.base
         x2, dy2 = x.reshape(-1, base.shape[1]), dy.reshape(-1, base.shape[0])
         need = ctx.needs_input_grad
         dx, (da,), (db,) = group_backward(x2, (dy2,), xa, (base,), adapters_of((lora_a, lora_b), (ctx.scaling,)),
-                                          (need[0], need[1:2], need[2:3]), None, ctx.a_stacked)
+                                          (need[0], need[1:2], need[2:3]), None, a_stacked, [b_cast])
         return (None if dx is None else dx.view(x.shape)), da, db, None, None
 
 
@@ -418,9 +439,10 @@ class LoRAQKVFunction(torch.autograd.Function):
     def forward(ctx, x, aq, bq, ak, bk, av, bv, bases, scalings):
         x2 = x.reshape(-1, bases[0].shape[1])
         adapters = adapters_of((aq, bq, ak, bk, av, bv), scalings)
-        xa, ctx.a_stacked = stacked_xa(x2, adapters)
-        ys = project(x2, bases, adapters, xa, scratch_for(bases, x.dtype, x.device))
-        ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv)
+        xa, a_stacked = stacked_xa(x2, adapters)
+        b_cast = cast_b(bases, adapters, x2.dtype)
+        ys = project(x2, bases, adapters, xa, scratch_for(bases, x.dtype, x.device), b_cast=b_cast)
+        ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv, a_stacked, *b_cast)
         ctx.bases, ctx.scalings = bases, scalings
         # Not views of internal buffers: RoPE rotates q/k in place right after.
         return tuple(torch.ops.aten._unsafe_view(y, (*x.shape[:-1], base.shape[0])) for y, base in zip(ys, bases))
@@ -428,13 +450,14 @@ class LoRAQKVFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         x, xa, *ab = ctx.saved_tensors
+        ab, a_stacked, b_cast = ab[:6], ab[6], ab[7:]
         bases = ctx.bases
         x2 = x.reshape(-1, bases[0].shape[1])
         need = ctx.needs_input_grad
         dys = [g.reshape(-1, base.shape[0]) for g, base in zip((dq, dk, dv), bases)]
         scratch = scratch_for(bases, x.dtype, x.device) if need[0] else None
         dx, da, db = group_backward(x2, dys, xa, bases, adapters_of(ab, ctx.scalings),
-                                    (need[0], need[1:7:2], need[2:7:2]), scratch, ctx.a_stacked)
+                                    (need[0], need[1:7:2], need[2:7:2]), scratch, a_stacked, b_cast)
         grads = [g for pair in zip(da, db) for g in pair]
         return (None if dx is None else dx.view(x.shape), *grads, None, None)
 

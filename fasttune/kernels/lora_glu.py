@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._backend import check_float, use_triton
-from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, check_projection,
+from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, cast_b, check_projection,
                    grad_input, group_backward, project, scratch_for, stacked_xa)
 from .lora_wide import wide_columns
 from .nf4 import cast_rne
@@ -186,35 +186,38 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor | 
 
 
 def glu_forward_rank_(g: torch.Tensor, u: torch.Tensor, xa: torch.Tensor, adapters, act: str,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, b_cast=None) -> torch.Tensor:
     """G ← G + s_g·XA_g B_gᵀ and U ← U + s_u·XA_u B_uᵀ in place (each rounded once to G's dtype),
     then H = act(G)·U as ``glu_forward`` computes it: the rank-r terms of a non-widened gate/up
     pair inside the GLU pass instead of one ``addmm_`` pass over each of G and U.
 
     ``xa``: the stacked [N, Σr] X [A_g; A_u]ᵀ (``lora.stacked_xa``); ``adapters``: [(A, B, s) or None]
-    for gate and up, in that order (their columns of ``xa`` in that order); ``out`` as in ``glu_forward``."""
+    for gate and up, in that order (their columns of ``xa`` in that order); ``out`` as in ``glu_forward``;
+    ``b_cast``: each B already in G's dtype (``lora.cast_b``), or None."""
     _check_flat(gate=g, up=u)
     if xa.stride(1) != 1:
         raise ValueError("xa must have unit column stride")
     if out is None:
         out = torch.empty_like(g)  # every element stored
     dt = g.dtype
+    bs = [bc if bc is not None and bc.dtype == dt else (None if ad is None else ad[1].to(dt))
+          for ad, bc in zip(adapters, b_cast or (None, None))]
     if not use_triton(g, u, xa):
         col = 0
-        for y, ad in zip((g, u), adapters):
+        for y, ad, b in zip((g, u), adapters, bs):
             if ad is not None:
-                y.addmm_(xa[:, col:col + ad[0].shape[0]], ad[1].to(dt).t(), alpha=ad[2])
+                y.addmm_(xa[:, col:col + ad[0].shape[0]], b.t(), alpha=ad[2])
                 col += ad[0].shape[0]
         return glu_forward(g, u, act, out=out)
     rows, cols = g.shape
     args, col, ranks = [], 0, []
-    for ad in adapters:
+    for ad, b in zip(adapters, bs):
         if ad is None:
             args += [xa, xa, 0, 0.0]  # never read (HAS_* False)
             ranks.append(0)
             continue
         r = ad[0].shape[0]
-        args += [xa[:, col:col + r], ad[1].to(dt).contiguous(), r, float(ad[2])]
+        args += [xa[:, col:col + r], b.contiguous(), r, float(ad[2])]
         ranks.append(r)
         col += r
     block_m, block_n = 64, min(128, triton.next_power_of_2(max(cols, 16)))
@@ -254,11 +257,13 @@ class LoRAMLPFunction(torch.autograd.Function):
         x2 = x.reshape(-1, gate.shape[1])
         scratch = scratch_for(bases, x.dtype, x.device)
         gu_adapters = adapters_of((ag, bg, au, bu), scalings[:2])
-        xa, ctx.a_gu = stacked_xa(x2, gu_adapters)
+        xa, a_gu = stacked_xa(x2, gu_adapters)
+        b_gu = cast_b((gate, up), gu_adapters, x2.dtype)
         # Not widened (NF4 and FP8 bases, lora_widen off): the rank-r terms join the GLU pass.
         rank_in_glu = xa is not None and use_triton(x2) and wide_columns((gate, up), gu_adapters, x.dtype) is None
-        g, u = project(x2, (gate, up), gu_adapters, xa, scratch, rank_terms=not rank_in_glu)
+        g, u = project(x2, (gate, up), gu_adapters, xa, scratch, rank_terms=not rank_in_glu, b_cast=b_gu)
         d_adapters = adapters_of((ad, bd), scalings[2:])
+        b_d = cast_b((down,), d_adapters, x2.dtype)
         # A widened down projection (lora_wide.py) reads H from the first columns of its widened
         # input: the GLU kernel writes it there, no copy.
         hcat = None
@@ -268,14 +273,16 @@ class LoRAMLPFunction(torch.autograd.Function):
             # end (spare_columns.output_rows): zeros there, never garbage.
             hcat[:, g.shape[1]:].zero_()
         h_out = None if hcat is None else hcat[:, : g.shape[1]]
-        h = (glu_forward_rank_(g, u, xa, gu_adapters, act, out=h_out) if rank_in_glu
+        h = (glu_forward_rank_(g, u, xa, gu_adapters, act, out=h_out, b_cast=b_gu) if rank_in_glu
              else glu_forward(g, u, act, out=h_out))
-        ha, ctx.a_d = stacked_xa(h, d_adapters)
+        ha, a_d = stacked_xa(h, d_adapters)
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
             y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
         else:
-            (y,) = project(h, (down,), d_adapters, ha, scratch, xcat=hcat)
-        ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd)
+            (y,) = project(h, (down,), d_adapters, ha, scratch, xcat=hcat, b_cast=b_d)
+        # The adapter casts are saved tensors, not ctx attributes: a checkpointed layer does not hold
+        # them from its forward to its backward (its recompute makes them again).
+        ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd, a_gu, a_d, *b_gu, *b_d)
         ctx.bases, ctx.scalings, ctx.act, ctx.consumed = bases, scalings, act, False
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], down.shape[0]))  # not a view: safe to modify in place
 
@@ -285,7 +292,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             raise RuntimeError("lora_mlp's backward overwrites its saved activations and can run only once; "
                                "do not backpropagate through it twice (retain_graph=True)")
         ctx.consumed = True
-        x, g, u, xa, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
+        x, g, u, xa, ha, ag, bg, au, bu, ad, bd, a_gu, a_d, *b_cast = ctx.saved_tensors
         gate, up, down = ctx.bases
         need = ctx.needs_input_grad
         x2, dy2 = x.reshape(-1, gate.shape[1]), dy.reshape(-1, down.shape[0])
@@ -293,7 +300,7 @@ class LoRAMLPFunction(torch.autograd.Function):
 
         # Down projection: dH = dYB_d A_d + dY W_d; H is recomputed over dH only if dA_d needs it.
         d_adapters = adapters_of((ad, bd), ctx.scalings[2:])
-        dyb_d, a_d = adapter_dyb((dy2,), d_adapters, ctx.a_d)
+        dyb_d, a_d = adapter_dyb((dy2,), d_adapters, a_d, b_cast[2:])
         dh = grad_input((dy2,), (down,), dyb_d, a_d, scratch)
         glu_backward_(g, u, dh, ctx.act, store_h=ad is not None and need[5])  # g ← dG, u ← dU, dh ← H
         (da_d,), (db_d,) = adapter_grads(dh, (dy2,), ha, dyb_d, d_adapters, need[5:6], need[6:7])
@@ -301,7 +308,7 @@ class LoRAMLPFunction(torch.autograd.Function):
 
         # Gate and up share X: dX = [dYB_g dYB_u] [A_g; A_u] + dG W_g + dU W_u.
         dx, da, db = group_backward(x2, (g, u), xa, (gate, up), adapters_of((ag, bg, au, bu), ctx.scalings[:2]),
-                                    (need[0], need[1:5:2], need[2:5:2]), scratch, ctx.a_gu)
+                                    (need[0], need[1:5:2], need[2:5:2]), scratch, a_gu, b_cast[:2])
         return (None if dx is None else dx.view(x.shape), da[0], db[0], da[1], db[1], da_d, db_d,
                 None, None, None, None)
 

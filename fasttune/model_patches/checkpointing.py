@@ -72,6 +72,7 @@ STOCK_LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 upcast + fp32 and bf16 gra
 
 
 _RECOMPUTING = contextvars.ContextVar("fasttune_recomputing", default=False)
+_LAYER_MEMO = contextvars.ContextVar("fasttune_layer_memo", default=None)
 
 
 def recomputing() -> bool:
@@ -79,23 +80,34 @@ def recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
+def layer_memo() -> dict | None:
+    """The memo of the checkpointed layer call running now, shared by its forward and its recompute
+    (None outside one). What the forward decided from the module state (which projections take the
+    fused path) is stored there and reused by the recompute: the recompute must compute what the
+    forward computed, and deciding again would cost the host the same checks a second time."""
+    return _LAYER_MEMO.get()
+
+
 class ForwardThenRecompute:
     """The function handed to ``checkpoint``: its first call is the forward, every later call a
-    recompute (run with ``recomputing()`` True)."""
+    recompute (run with ``recomputing()`` True). Both run with ``layer_memo()`` = this call's memo."""
 
     def __init__(self, stock, stash: LayerStash | None = None):
         self.stock = stock
         self.calls = 0
         self.stash = stash  # the layer call's attention stash (attention_stash.py), if it has one
+        self.memo: dict = {}
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         recompute = self.calls > 1
         stash_token = self.stash.begin(recompute) if self.stash is not None else None
         token = _RECOMPUTING.set(True) if recompute else None
+        memo_token = _LAYER_MEMO.set(self.memo)
         try:
             return self.stock(*args, **kwargs)
         finally:
+            _LAYER_MEMO.reset(memo_token)
             if token is not None:
                 _RECOMPUTING.reset(token)
             if stash_token is not None:
@@ -475,4 +487,5 @@ def layer_checkpointing(model: nn.Module) -> LayerCheckpointing | None:
 
 
 __all__ = ["AutoDecision", "AutoPolicy", "CheckpointedLayerForward", "ForwardThenRecompute", "LayerCheckpointing",
-           "SavedBytesMeter", "install_checkpointing", "layer_checkpointing", "recomputing", "resident_layers"]
+           "SavedBytesMeter", "install_checkpointing", "layer_checkpointing", "layer_memo", "recomputing",
+           "resident_layers"]

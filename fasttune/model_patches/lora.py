@@ -26,7 +26,9 @@ nothing.
 Eligibility is decided at patch time for the report and checked again at every call, because
 the adapter state changes under a patched model (``set_adapter``, ``merge_adapter``,
 ``disable_adapter()`` for DPO's reference pass): a call that does not qualify runs the default
-path of that forward (the module's own projections), which is exactly PEFT's. A call also
+path of that forward (the module's own projections), which is exactly PEFT's. The one exception is
+a checkpoint recompute, which takes the decision of the forward it recomputes
+(``checkpointing.layer_memo``; not with ZeRO-3 parameters). A call also
 falls back when the stock layers would not compute in the activations' dtype: outside
 ``torch.autocast``, each dense weight, or the compute dtype bitsandbytes' ``Linear4bit`` would
 use, must be x's dtype, and adapters must be x's dtype or float32. float32 adapters under bf16
@@ -48,7 +50,7 @@ from ..kernels.fp8 import product_path
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.lora_glu import lora_mlp
 from .attention import attention_forward
-from .checkpointing import recomputing
+from .checkpointing import layer_memo, recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .fp8_base import fp8_op
 from .instance import stock_is_faster
@@ -70,10 +72,6 @@ def is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")
 
 
-def _base_layer(proj: nn.Module) -> nn.Module:
-    return base_layer_of(proj)
-
-
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
@@ -88,7 +86,7 @@ def stock_compute_dtype(proj: nn.Module, spec, x_dtype: torch.dtype) -> torch.dt
         return x_dtype
     if not spec[0].is_nf4:
         return spec[0].weight.dtype
-    layer = _base_layer(proj)
+    layer = base_layer_of(proj)
     declared = getattr(layer, "compute_dtype", None)
     if not getattr(layer, "compute_type_is_set", True) and x_dtype in (torch.float32, torch.bfloat16):
         return x_dtype
@@ -112,7 +110,7 @@ def projection_specs(module: nn.Module, names: tuple[str, ...], at_call: bool = 
         spec = lora_spec(proj, zero3_owner=module if at_call else None, ignore_disabled=ignore_disabled)
         if isinstance(spec, str):
             return f"{name}: {spec}"
-        base = _base_layer(proj)
+        base = base_layer_of(proj)
         zero3 = is_zero3_param(module_attr(base, "weight"))
         if any(_hooked(m) and not (zero3 and only_zero3_hooks(m)) for m in (proj, base)):
             return f"{name}: forward hooks on the projection (the fused path would skip them)"
@@ -200,6 +198,24 @@ class _Hook:
             out[start:stop] = widen_group(projections, out[start:stop], dtype, input_copied=copied)
         return out
 
+    def decide(self, module: nn.Module, x: torch.Tensor, how):
+        """``how(module, x)``: this call's specs or why not; in a checkpoint recompute, the decision its
+        forward took (``checkpointing.layer_memo``), so the recompute runs the same path without paying
+        for the checks again. Not reused for DeepSpeed ZeRO-3 parameters, whose gathering the checks
+        must see at each call."""
+        memo = layer_memo()
+        if memo is None:
+            return how(module, x)
+        key = (x.dtype, x.device, compute_dtype(x), torch.is_grad_enabled())
+        if recomputing():
+            hit = memo.get((self, module))
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        specs = how(module, x)
+        if isinstance(specs, str) or not any(is_zero3_param(t) for spec in specs for t in (spec[0].weight, spec[1])):
+            memo[self, module] = (key, specs)
+        return specs
+
     def specs(self, module: nn.Module, x: torch.Tensor):
         """``call_specs``, widened; a call with the adapters disabled (DPO's reference pass, maybe
         before any training call) widens the groups first, with the disabled adapters' ranks, so a
@@ -228,7 +244,7 @@ class LoRAQKVHook(_Hook):
         return ((0, n, True),)
 
     def __call__(self, module: nn.Module, hidden_states: torch.Tensor):
-        specs = self.specs(module, hidden_states)
+        specs = self.decide(module, hidden_states, self.specs)
         self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             return self.previous(module, hidden_states)
@@ -249,8 +265,11 @@ class LoRAOHook(_Hook):
 
     op = OP_O
 
+    def specs(self, module: nn.Module, x: torch.Tensor):
+        return call_specs(module, self.names, x)  # one projection, nothing to widen
+
     def __call__(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor:
-        specs = call_specs(module, self.names, attn_output)
+        specs = self.decide(module, attn_output, self.specs)
         self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             return self.previous(module, attn_output)
@@ -283,7 +302,7 @@ class LoRAMLPHook(_Hook):
         return ((0, 2, True), (2, 3, False)) if n == 3 else ((0, 1, True), (1, 2, True))
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        specs = self.specs(module, x)
+        specs = self.decide(module, x, self.specs)
         self.calls[self.op, specs if isinstance(specs, str) else FUSED] += 1
         if isinstance(specs, str):
             if self.previous is not None:

@@ -35,10 +35,6 @@ __all__ = ["WIDE_ATTR", "widen_group", "unwiden", "wide_of"]
 WIDE_ATTR = "_fasttune_wide"
 
 
-def _layer(proj: nn.Module) -> nn.Module:
-    return base_layer_of(proj)
-
-
 def wide_of(layer: nn.Module, weight: torch.Tensor):
     """The layer's ``WideWeight`` when ``weight`` still lives in it; a stale one (the parameter was
     moved or re-homed since, by ``.to()``, FSDP or a merge) is dropped, freeing its buffer."""
@@ -101,7 +97,7 @@ def widen_group(projections: list[nn.Module], specs: list, dtype: torch.dtype, i
         return specs  # copying X would cost as much as the rank-r passes it saves
     if any(b.is_nf4 or b.is_fp8 for b in bases):
         return specs  # quantised bases are not widened (_can_widen)
-    layers = [_layer(p) for p in projections]
+    layers = [base_layer_of(p) for p in projections]
     if not all(_can_widen(layer, base, dtype) for layer, base in zip(layers, bases)):
         return specs
     out = []

@@ -214,19 +214,47 @@ def test_autocast_casts_input(device):
     assert gx.dtype == torch.float32 and ga.dtype == torch.float32
 
 
-def test_saved_tensors_are_x_and_xa_only(device):
-    """Backward keeps X and XA (r columns), not Y and not the dequantised weight."""
-    x = torch.randn(64, 96, device=device, dtype=torch.bfloat16, requires_grad=True)
-    base, a, b, s = make_proj(128, 96, 8, torch.bfloat16, device, seed=16, kind="nf4")
-    saved = []
+def _saved_storages(fn) -> list[int]:
+    """Element counts of the distinct storages ``fn``'s autograd graph saves (memory, not references)."""
+    saved = {}
 
     def pack(t):
-        saved.append(t.numel())
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lora_linear(x, base, a, b, s)
-    assert sorted(saved) == sorted([64 * 96, 64 * 8, a.numel(), b.numel()])
+        fn()
+    return sorted(saved.values())
+
+
+def test_saved_tensors_are_x_and_xa_only(device):
+    """Backward keeps X and XA (r columns), not Y and not the dequantised weight; A and B in the
+    compute dtype are the adapters themselves (no copy)."""
+    x = torch.randn(64, 96, device=device, dtype=torch.bfloat16, requires_grad=True)
+    base, a, b, s = make_proj(128, 96, 8, torch.bfloat16, device, seed=16, kind="nf4")
+    saved = _saved_storages(lambda: lora_linear(x, base, a, b, s))
+    assert saved == sorted([64 * 96, 64 * 8, a.numel(), b.numel()])
+
+
+@pytest.mark.parametrize("kind", ["dense", "nf4"])
+def test_backward_reuses_the_forward_adapter_casts(device, kind, monkeypatch):
+    """float32 adapters under bf16 autocast: forward casts A and B to bf16 once each and saves the
+    casts; backward casts no adapter again (it casts only the gradients back to float32)."""
+    x = torch.randn(40, 96, device=device, dtype=torch.bfloat16, requires_grad=True)
+    specs = [make_proj(o, 96, r, torch.bfloat16, device, seed=30 + o, kind=kind, adapter_dtype=torch.float32)
+             for o, r in ((96, 8), (32, 4), (32, 4))]
+    adapters = {id(t) for _, a, b, _ in specs for t in (a, b)}
+    casts = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: casts.append(id(self) in adapters) or
+                        real_to(self, *a, **k))
+    with torch.autocast(device, dtype=torch.bfloat16):
+        q, k, v = lora_qkv(x, *specs)
+    forward_casts = sum(casts)
+    casts.clear()
+    torch.autograd.backward((q, k, v), (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)))
+    assert forward_casts == 6 and sum(casts) == 0
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for _, a, b, _ in specs for t in (a, b))
 
 
 def test_invalid_inputs_raise(device):

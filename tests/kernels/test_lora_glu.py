@@ -139,11 +139,17 @@ def test_saves_x_g_u_not_h(device):
     x = torch.randn(n, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     specs = [proj(i, d, 8, torch.bfloat16, device, 13, nf4=True), proj(i, d, 4, torch.bfloat16, device, 14),
              proj(d, i, 8, torch.bfloat16, device, 15, nf4=True)]
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    saved = {}
+
+    def pack(t):  # distinct storages: the adapters in the compute dtype are the adapters themselves
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lora_mlp(x, *specs)
     adapters = sum(t.numel() for _, a, b, _ in specs for t in (a, b))
-    assert sum(saved) == n * d + 2 * n * i + n * (8 + 4) + n * 8 + adapters
+    # ... plus [A_g; A_u] stacked (one product for X [A_g; A_u]ᵀ, reused by backward's dX)
+    assert sum(saved.values()) == n * d + 2 * n * i + n * (8 + 4) + n * 8 + adapters + (8 + 4) * d
 
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])

@@ -179,6 +179,58 @@ def test_lora_down_skip_under_offload_and_auto_is_exact(mode, monkeypatch):
         assert torch.allclose(g, runs[0][1][name], rtol=1e-6, atol=1e-9), name
 
 
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+def test_lora_recompute_takes_the_forward_decision_without_checking_again(mode, monkeypatch):
+    """The fused-LoRA hooks check every call (``call_specs``); a checkpoint recompute takes the
+    decision of the forward it recomputes (``layer_memo``) and checks nothing: with the adapters'
+    scaling changed between forward and backward (a re-check would read the new one), the recompute
+    still computes what the forward did and the gradients equal a run without checkpointing."""
+    from fasttune.model_patches import lora as lora_patch
+
+    checks = []
+    real = lora_patch.call_specs
+    monkeypatch.setattr(lora_patch, "call_specs", lambda *a, **k: checks.append(1) or real(*a, **k))
+    runs = []
+    for m in (None, mode):
+        model = _model("llama", lora=True)
+        report = patch_model(model, FastConfig(checkpointing=m, cross_entropy=False))
+        model.zero_grad(set_to_none=True)
+        checks.clear()
+        out = model(**make_batch(model.config.vocab_size, seed=3))
+        forward_checks = len(checks)
+        lora_layers = [mod for mod in model.modules() if hasattr(mod, "lora_A") and hasattr(mod, "scaling")]
+        for mod in lora_layers:
+            mod.scaling["default"] *= 4
+        out.loss.backward()
+        for mod in lora_layers:
+            mod.scaling["default"] /= 4
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        runs.append((out.loss.detach(), grads, forward_checks, len(checks) - forward_checks))
+    layers = model.config.num_hidden_layers
+    assert report.patched["lora_qkv"] == report.patched["lora_o"] == report.patched["lora_mlp"] == layers
+    assert runs[1][2:] == (3 * layers, 0)  # q/k/v, o and the MLP checked once each, in forward only
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys()
+    for name, g in runs[1][1].items():
+        assert torch.allclose(g, runs[0][1][name], rtol=1e-6, atol=1e-9), name
+
+
+def test_lora_recompute_checks_again_with_zero3_parameters(monkeypatch):
+    """ZeRO-3 parameters are gathered anew for the recompute: their calls are checked again there."""
+    from fasttune.model_patches import lora as lora_patch
+
+    checks = []
+    real = lora_patch.call_specs
+    monkeypatch.setattr(lora_patch, "call_specs", lambda *a, **k: checks.append(1) or real(*a, **k))
+    monkeypatch.setattr(lora_patch, "is_zero3_param", lambda p: p is not None)
+    model = _model("llama", lora=True)
+    patch_model(model, FastConfig(checkpointing="recompute", cross_entropy=False))
+    out = model(**make_batch(model.config.vocab_size, seed=3))
+    forward_checks = len(checks)
+    out.loss.backward()
+    assert len(checks) == 2 * forward_checks == 6 * model.config.num_hidden_layers
+
+
 def test_with_every_kernel_patched_too():
     """Checkpointing wraps the layer; the norm/attention/MLP/head patches inside it are unaffected."""
     results = []
