@@ -22,6 +22,21 @@ def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
 
 
+@triton.jit
+def _add_one_8_kernel(x_ptr, n, a1, a2, a3, a4, a5, a6, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1 + a1 + a2 + a3 + a4 + a5 + a6, mask=i < n)
+
+
+@triton.jit
+def _add_one_16_kernel(x_ptr, y_ptr, z_ptr, w_ptr, n, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
+                       BLOCK: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr, F3: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n) + tl.load(y_ptr + i, mask=i < n) + tl.load(z_ptr + i, mask=i < n)
+    v += a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11
+    tl.store(w_ptr + i, v, mask=i < n)
+
+
 class _Identity(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -52,6 +67,7 @@ def main(argv=None) -> None:
     from fasttune.kernels.rms_norm import rms_norm
 
     x = torch.zeros(1024, device="cuda")
+    y, z, w4 = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
     x32 = torch.randn(16, 4096, device="cuda")
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     xr = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -62,6 +78,9 @@ def main(argv=None) -> None:
         "torch.mm bf16 64x64x64": lambda: torch.mm(a, a),
         "torch.empty 1 MiB": lambda: torch.empty(1 << 19, device="cuda", dtype=torch.bfloat16),
         "Triton kernel[grid], 2 runtime args": lambda: _add_one_kernel[(1,)](x, 1024, BLOCK=1024),
+        "Triton kernel[grid], 8 runtime args": lambda: _add_one_8_kernel[(1,)](x, 1024, 1, 2, 3, 4, 5, 6, BLOCK=1024),
+        "Triton kernel[grid], 16 runtime args, 4 constexpr": lambda: _add_one_16_kernel[(1,)](
+            x, y, z, w4, 1024, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, BLOCK=1024, F1=True, F2=False, F3=3),
         "autograd.Function.apply, identity, grad on": lambda: _Identity.apply(xr),
         "fasttune rms_norm forward, no grad (64x4096)": lambda: rms_norm(xr.detach(), w, 1e-5),
     }

@@ -38,6 +38,18 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return interpreter_on() and all(t.device.type == "cpu" for t in ts)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative ints, as ``triton.cdiv`` computes it for a grid. On the host the
+    launchers call this, not Triton's: in Triton ≥ 3.5 ``triton.cdiv`` and ``triton.next_power_of_2``
+    are constexpr-function objects whose call costs 5-15 µs, more than some kernels' GPU time."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two ≥ n for n ≥ 1 (0 for 0), as ``triton.next_power_of_2``; see ``cdiv``."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     """Raise ValueError naming the arguments when tensors live on different devices."""
     devs = {name: t.device for name, t in tensors.items() if t is not None}

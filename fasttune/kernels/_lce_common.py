@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import check_float, check_same_device, interpreter_on
+from ._backend import check_float, check_same_device, interpreter_on, next_power_of_2
 
 DEFAULT_WORKSPACE_MIB = 1024  # W trainable: every chunk read-modify-writes the fp32 dW, so fewer is faster
 # W frozen there is nothing to amortise: chunks of ~1k rows run the products as fast as 4k (bench_loss_chunks.py,
@@ -119,8 +119,8 @@ def block_config(V: int) -> tuple[int, int]:
     if interpreter_on():
         # The interpreter's cost is per op, not per element: few, wide blocks, but two when V > 128
         # so that tests exercise the cross-block online merge and the masked tail.
-        return max(128, min(triton.next_power_of_2(max(1, -(-V // 2))), 65536)), 4
-    block = min(triton.next_power_of_2(V), 8192)
+        return max(128, min(next_power_of_2(max(1, -(-V // 2))), 65536)), 4
+    block = min(next_power_of_2(V), 8192)
     return block, (16 if block >= 8192 else 8 if block >= 2048 else 4)
 
 

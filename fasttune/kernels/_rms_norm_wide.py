@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import cdiv
+
 
 @triton.jit
 def _rms_norm_bwd_rowdot_kernel(
@@ -90,7 +92,7 @@ def bwd_wide_rows(dy2, ds2, x2, weight, rstd, dx, part, offset, llama, block_h, 
     """
     n_rows, n_cols = x2.shape
     need_dx, need_dw = dx is not None, part is not None
-    grid = triton.cdiv(n_rows, rows_per_prog)
+    grid = cdiv(n_rows, rows_per_prog)
     # Uninitialised is safe: step 2 reads c only when dx is needed, and then step 1 wrote every row.
     c = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     if need_dx:
@@ -98,7 +100,7 @@ def bwd_wide_rows(dy2, ds2, x2, weight, rstd, dx, part, offset, llama, block_h, 
             dy2, x2, weight, rstd, c, n_cols, offset, dy2.stride(0), x2.stride(0),
             BLOCK_H=block_h, num_warps=8,
         )
-    _rms_norm_bwd_chunked_kernel[(grid, triton.cdiv(n_cols, block_h))](
+    _rms_norm_bwd_chunked_kernel[(grid, cdiv(n_cols, block_h))](
         dy2, ds2, x2, weight, rstd, c, dx, part,
         n_rows, n_cols, rows_per_prog, offset,
         dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0), n_cols,

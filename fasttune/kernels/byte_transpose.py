@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from ._backend import cdiv, use_triton
 
 __all__ = ["transpose_bytes"]
 
@@ -48,7 +48,7 @@ def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((cols, rows), dtype=x.dtype, device=x.device)  # every element stored
-    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
+    grid = (cdiv(rows, _TILE), cdiv(cols, _TILE))
     _transpose_kernel[grid](x.view(torch.uint8), out.view(torch.uint8), rows, cols, x.stride(0),
                             BLOCK=_TILE, num_warps=4)
     return out

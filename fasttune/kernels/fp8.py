@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._backend import check_float, use_triton
+from ._backend import cdiv, check_float, next_power_of_2, use_triton
 from .byte_transpose import transpose_bytes
 
 __all__ = ["FP8_MAX", "Fp8Weight", "quantize_rows", "forward_product", "grad_input_product", "product_path",
@@ -186,14 +186,14 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     rows, cols = x.shape
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)  # every element stored
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    width = triton.next_power_of_2(max(cols, 16))
+    width = next_power_of_2(max(cols, 16))
     if width <= _ONE_TILE:  # the row block read once, kept in registers
         block_n, warps = width, min(16, max(4, width // 1024))  # ≤ 32 values a thread
         block_m = max(1, _BLOCK // block_n)
     else:
         block_n, warps = _BLOCK, 4
         block_m = 1
-    _quantize_rows_kernel[(triton.cdiv(rows, block_m),)](
+    _quantize_rows_kernel[(cdiv(rows, block_m),)](
         x, col_scale, codes.view(torch.uint8), scale, rows, cols, x.stride(0), codes.stride(0),
         HAS_COL=col_scale is not None, ONE_TILE=block_n >= cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return codes, scale

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import moe_reference as reference
-from ._backend import check_float, check_same_device, interpreter_on, use_triton
+from ._backend import cdiv, check_float, check_same_device, interpreter_on, next_power_of_2, use_triton
 
 __all__ = ["grouped_mm", "grouped_mm_wgrad", "group_offsets"]
 
@@ -142,12 +142,12 @@ def _triton_mm(x, w, offs):
     tile_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
     # An upper bound on the row tiles without a host sync; the exact count where reading it is free
     # (CPU tensors under the interpreter, whose cost is per program).
-    n_tiles = int(tile_ends[-1]) if x.device.type == "cpu" else triton.cdiv(S, bm) + E
-    grid = (n_tiles, triton.cdiv(N, bn))
+    n_tiles = int(tile_ends[-1]) if x.device.type == "cpu" else cdiv(S, bm) + E
+    grid = (n_tiles, cdiv(N, bn))
     _grouped_mm_kernel[grid](
         x, w, y, offs, tile_ends, E, K, N,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPS_POW2=triton.next_power_of_2(E),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPS_POW2=next_power_of_2(E),
         IEEE=x.dtype == torch.float32 or interpreter_on(),
     )
     return y
@@ -159,7 +159,7 @@ def _triton_wgrad(a, b, offs, num_groups):
     if out.numel() == 0:
         return out
     bm, bn, bs = _blocks(interpreter_on())
-    grid = (num_groups, triton.cdiv(M, bm), triton.cdiv(N, bn))
+    grid = (num_groups, cdiv(M, bm), cdiv(N, bn))
     _grouped_wgrad_kernel[grid](
         a, b, out, offs, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),

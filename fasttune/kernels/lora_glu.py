@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import check_float, use_triton
+from ._backend import cdiv, check_float, next_power_of_2, use_triton
 from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, cast_b, check_projection,
                    grad_input, group_backward, project, scratch_for, stacked_xa)
 from .lora_wide import wide_columns
@@ -174,9 +174,9 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor | 
         raise ValueError(f"out must be a {tuple(g.shape)} {g.dtype} tensor on {g.device} with unit column stride")
     if use_triton(g, u):
         rows, cols = g.shape
-        block_n = min(_BLOCK, triton.next_power_of_2(cols))
+        block_n = min(_BLOCK, next_power_of_2(cols))
         block_m = _BLOCK // block_n  # _BLOCK elements per program, as many rows as fit
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+        grid = (cdiv(rows, block_m), cdiv(cols, block_n))
         _glu_fwd_kernel[grid](g, u, out, rows, cols, out.stride(0), ACT=_ACTIVATIONS[act], DTYPE=_TL_DTYPE[g.dtype],
                               BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
         return out
@@ -220,13 +220,13 @@ def glu_forward_rank_(g: torch.Tensor, u: torch.Tensor, xa: torch.Tensor, adapte
         args += [xa[:, col:col + r], b.contiguous(), r, float(ad[2])]
         ranks.append(r)
         col += r
-    block_m, block_n = 64, min(128, triton.next_power_of_2(max(cols, 16)))
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    block_m, block_n = 64, min(128, next_power_of_2(max(cols, 16)))
+    grid = (cdiv(rows, block_m), cdiv(cols, block_n))
     _glu_rank_fwd_kernel[grid](
         g, u, out, args[0], args[1], args[4], args[5], rows, cols, args[2], args[6], args[3], args[7],
         out.stride(0), xa.stride(0), xa.stride(0), ACT=_ACTIVATIONS[act], DTYPE=_TL_DTYPE[dt],
         HAS_G=adapters[0] is not None, HAS_U=adapters[1] is not None,
-        R_PAD=max(16, triton.next_power_of_2(max(ranks))), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+        R_PAD=max(16, next_power_of_2(max(ranks))), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
     return out
 
 
@@ -235,7 +235,7 @@ def glu_backward_(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, act: str, 
     _check_flat(gate=g, up=u, grad_h=dh)
     if use_triton(g, u, dh):
         n = g.numel()
-        _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, dh, n, ACT=_ACTIVATIONS[act], STORE_H=store_h,
+        _glu_bwd_kernel[(cdiv(n, _BLOCK),)](g, u, dh, n, ACT=_ACTIVATIONS[act], STORE_H=store_h,
                                                    DTYPE=_TL_DTYPE[g.dtype], BLOCK=_BLOCK, num_warps=8)
         return
     g32, u32, dh32 = g.float(), u.float(), dh.float()  # the tensors themselves when float32

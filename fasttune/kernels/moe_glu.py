@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import moe_reference as reference
-from ._backend import check_float, check_same_device, interpreter_on, use_triton
+from ._backend import cdiv, check_float, check_same_device, interpreter_on, next_power_of_2, use_triton
 from .moe_reference import GLU_KINDS, ExpertGLU
 from .swiglu import _act_and_grad
 
@@ -175,9 +175,9 @@ def _check(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU) 
 
 def _tiles(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int]:
     """(grid, rows per program, column block). The interpreter's cost is per program: few, wide ones."""
-    block = min(_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+    block = min(_BLOCK, next_power_of_2(max(n_cols, 1)))
     rows = 64 if interpreter_on() else max(1, min(16, 4096 // block))
-    return (triton.cdiv(n_rows, rows),), rows, block
+    return (cdiv(n_rows, rows),), rows, block
 
 
 def moe_glu(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU = ExpertGLU()) -> torch.Tensor:

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._backend import check_same_device, use_triton
+from ._backend import cdiv, check_same_device, use_triton
 
 __all__ = ["dequantize_nf4"]
 
@@ -178,7 +178,7 @@ def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state:
     else:
         code2 = absmax2 = offset = absmax  # unused pointers
         blocksize2 = 1
-    grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
+    grid = (cdiv(n_bytes, _BYTES_PER_PROGRAM),)
     # Not rounding to the state's dtype = rounding to out's: the kernel's second cast drops out.
     state_dtype = qs.dtype if round_to_state else out.dtype
     _nf4_dequant_kernel[grid](

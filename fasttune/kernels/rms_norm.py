@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._backend import check_float, check_same_device, use_triton
+from ._backend import cdiv, check_float, check_same_device, next_power_of_2, use_triton
 from ._rms_norm_wide import bwd_wide_rows
 from .spare_columns import SpareColumns, output_rows
 
@@ -251,12 +251,12 @@ def _fwd(x, residual, weight, eps, offset, casting, spare=None):
     s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        block_h = triton.next_power_of_2(n_cols)
+        block_h = next_power_of_2(n_cols)
         single = block_h <= _MAX_FWD_BLOCK
         if not single:
             block_h = _CHUNK
         block_rows = max(1, min(16, _TILE // block_h)) if single else 1
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+        _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
             x2, res2, weight, y, s, rstd,
             n_rows, n_cols, eps, offset,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, y_row,
@@ -280,12 +280,12 @@ def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
     # dw partials (every program of the grid has rows, _bwd_programs).
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if need_dx else None
     llama = casting == "llama"
-    block_h = triton.next_power_of_2(n_cols)
+    block_h = next_power_of_2(n_cols)
     if block_h <= _MAX_BWD_BLOCK:
         # Rows stacked up to ~_BWD_TILE elements a step; a few resident programs per SM keep
         # enough loads in flight, and the fp32 partials stay small (2·SMs·H·4 B = 4 MiB at H=4096).
         block_rows = max(1, min(16, _BWD_TILE // block_h))
-        grid = _bwd_programs(x.device, triton.cdiv(n_rows, block_rows), _BWD_PROGRAMS_PER_SM) if n_rows else 0
+        grid = _bwd_programs(x.device, cdiv(n_rows, block_rows), _BWD_PROGRAMS_PER_SM) if n_rows else 0
         part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device) if need_dw else None
         if n_rows:
             _rms_norm_bwd_kernel[(grid,)](
@@ -298,8 +298,8 @@ def _bwd(dy, ds, x, weight, rstd, offset, casting, need_dx, need_dw):
     else:
         block_h = _CHUNK
         grid = _bwd_programs(x.device, n_rows, _BWD_PROGRAMS_PER_SM) if n_rows else 0
-        rows_per_prog = triton.cdiv(n_rows, grid) if grid else 0
-        grid = triton.cdiv(n_rows, rows_per_prog) if grid else 0
+        rows_per_prog = cdiv(n_rows, grid) if grid else 0
+        grid = cdiv(n_rows, rows_per_prog) if grid else 0
         part = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device) if need_dw else None
         if n_rows:
             bwd_wide_rows(dy2, ds2, x2, weight, rstd, dx, part, offset, llama, block_h, rows_per_prog)

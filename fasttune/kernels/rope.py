@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._backend import check_float, check_same_device, use_triton
+from ._backend import cdiv, check_float, check_same_device, next_power_of_2, use_triton
 
 __all__ = ["apply_rope", "RopeFunction"]
 
@@ -160,17 +160,17 @@ def _launch(q, k, qo, ko, cos, sin, position_ids, backward):
     nk = k.shape[1] if k is not None else 0
     q, qo = (q, qo) if q is not None else (ref, ref)  # dummies when absent: zero heads
     k, ko = (k, ko) if k is not None else (ref, ref)
-    block_d = triton.next_power_of_2(half)
-    block_hq = min(triton.next_power_of_2(max(nq, 1)), _MAX_HEAD_BLOCK)
-    block_hk = min(triton.next_power_of_2(max(nk, 1)), _MAX_HEAD_BLOCK)
+    block_d = next_power_of_2(half)
+    block_hq = min(next_power_of_2(max(nq, 1)), _MAX_HEAD_BLOCK)
+    block_hk = min(next_power_of_2(max(nk, 1)), _MAX_HEAD_BLOCK)
     inplace = qo is q and ko is k
-    block_p = triton.next_power_of_2(max(head_dim - 2 * half, 1))
+    block_p = next_power_of_2(max(head_dim - 2 * half, 1))
     # Tokens per program: one or two for wide tokens (32 heads × 64 pairs already fill a program),
     # more when heads are few or narrow, so each program still moves a few KiB.
     tile = _TILE_BWD if backward else _TILE_FWD
     block_t = max(1, min(16, tile // (block_hq * block_d)))
     warps = _num_warps(block_t * block_hq * block_d)
-    _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
+    _rope_kernel[(cdiv(n_tokens, block_t),)](
         q, k, qo, ko, cos, sin, pos,
         n_tokens, seq_len, nq, nk, half, head_dim,
         *q.stride(), *qo.stride(), *k.stride(), *ko.stride(),

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._backend import check_float, check_same_device, use_triton
+from ._backend import cdiv, check_float, check_same_device, next_power_of_2, use_triton
 
 __all__ = ["swiglu", "geglu", "GatedActFunction"]
 
@@ -131,12 +131,12 @@ def _flatten(*ts: torch.Tensor):
 
 
 def _grid(t2: torch.Tensor, block: int):
-    n_col_blocks = triton.cdiv(t2.shape[1], block)
+    n_col_blocks = cdiv(t2.shape[1], block)
     return (t2.shape[0] * n_col_blocks,), n_col_blocks
 
 
 def _block(n_cols: int) -> tuple[int, int]:
-    block = min(_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+    block = min(_BLOCK, next_power_of_2(max(n_cols, 1)))
     return block, max(1, min(8, block // 256))
 
 
