@@ -250,7 +250,7 @@ def cast_b(bases, adapters, dt: torch.dtype) -> list[torch.Tensor | None]:
     return [None if ad is None else ad[1].to(dt) for ad in adapters]
 
 
-def _b_as(ad, bc: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
+def b_as(ad, bc: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
     """B of adapter ``ad`` in ``dt``: ``bc`` (its forward cast) when it is that, else cast now."""
     return bc if bc is not None and bc.dtype == dt else ad[1].to(dt)
 
@@ -290,7 +290,7 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
             y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
         if ad is not None and rank_terms:
             r = ad[0].shape[0]
-            y.addmm_(xa[:, col:col + r], _b_as(ad, None if b_cast is None else b_cast[p], dt).t(), alpha=ad[2])
+            y.addmm_(xa[:, col:col + r], b_as(ad, None if b_cast is None else b_cast[p], dt).t(), alpha=ad[2])
             col += r
         ys.append(y)
     return ys
@@ -301,7 +301,7 @@ def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None,
     """dYB = [s_p dY_p B_p]_p stacked by columns [N, Σr], and the matching stacked [A_p] [Σr, in]
     (``a_stacked`` when the forward kept it, else cast and stacked here; B from ``b_cast`` likewise)."""
     b_cast = b_cast or [None] * len(adapters)
-    parts = [_scaled_(torch.mm(dy, _b_as(ad, bc, dy.dtype)), ad[2])
+    parts = [_scaled_(torch.mm(dy, b_as(ad, bc, dy.dtype)), ad[2])
              for dy, ad, bc in zip(dys, adapters, b_cast) if ad is not None]
     if not parts:
         return None, None
@@ -351,8 +351,8 @@ def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
 
 def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, b_cast=None):
     """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's);
-    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None; ``b_cast``: its ``cast_b``, or None. A widened group that needs
-    dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``)."""
+    ``a_stacked``: the forward's stacked A (``stacked_xa``), or None; ``b_cast``: its ``cast_b``, or None.
+    A widened group that needs dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``)."""
     need_x, need_a, need_b = need
     cols = wide_columns(bases, adapters, dys[0].dtype) if need_x and any(ad is not None for ad in adapters) else None
     if cols is not None:

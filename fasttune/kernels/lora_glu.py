@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from ._backend import cdiv, check_float, next_power_of_2, use_triton
-from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, cast_b, check_projection,
-                   grad_input, group_backward, project, scratch_for, stacked_xa)
+from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, b_as, cast_b,
+                   check_projection, grad_input, group_backward, project, scratch_for, stacked_xa)
 from .lora_wide import wide_columns
 from .nf4 import cast_rne
 from .swiglu import _act_and_grad  # shared activation and derivative (one definition)
@@ -200,8 +200,7 @@ def glu_forward_rank_(g: torch.Tensor, u: torch.Tensor, xa: torch.Tensor, adapte
     if out is None:
         out = torch.empty_like(g)  # every element stored
     dt = g.dtype
-    bs = [bc if bc is not None and bc.dtype == dt else (None if ad is None else ad[1].to(dt))
-          for ad, bc in zip(adapters, b_cast or (None, None))]
+    bs = [None if ad is None else b_as(ad, bc, dt) for ad, bc in zip(adapters, b_cast or (None, None))]
     if not use_triton(g, u, xa):
         col = 0
         for y, ad, b in zip((g, u), adapters, bs):
