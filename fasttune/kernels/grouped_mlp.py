@@ -108,10 +108,10 @@ def _segment_sum(rows: torch.Tensor, expert: torch.Tensor, num_experts: int) -> 
 
 class GroupedMLPFunction(torch.autograd.Function):
     """See the module docstring. Inputs: x, top_k_index, top_k_weights, glu, the two projections'
-    (scaling, transposed), then their tensors (weight, bias, lora_a, lora_b) each."""
+    (scaling, transposed), output_unused, then their tensors (weight, bias, lora_a, lora_b) each."""
 
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, glu, meta, *tensors):
+    def forward(ctx, x, top_k_index, top_k_weights, glu, meta, output_unused, *tensors):
         T, k = top_k_index.shape
         dtype = tensors[0].dtype
         gu_p = _Proj(*tensors[:_FIELDS], *meta[0], dtype)
@@ -126,11 +126,14 @@ class GroupedMLPFunction(torch.autograd.Function):
         xs = x.to(dtype)[token]
         gate_up = gu_p.forward(xs, offs, expert)
         del xs, gu_p
-        h = moe_glu(gate_up, w, glu)
-        d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
-        y = d_p.forward(h, offs, expert, row_weight=w)
-        del d_p
-        out = y[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+        if output_unused:  # a discarded recompute: backward needs gate_up alone; NaNs, so a use shows
+            out = torch.full_like(x, float("nan"))
+        else:
+            h = moe_glu(gate_up, w, glu)
+            d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
+            y = d_p.forward(h, offs, expert, row_weight=w)
+            del d_p, h
+            out = y[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
         # NF4 weights are no tensors autograd can save: they ride on ctx (frozen, nothing to track).
         ctx.nf4 = {i: t for i, t in enumerate(tensors) if isinstance(t, NF4Weight)}
         saved = [None if i in ctx.nf4 else t for i, t in enumerate(tensors)]
@@ -143,11 +146,12 @@ class GroupedMLPFunction(torch.autograd.Function):
         x, expert, token, inverse, offs, w, gate_up, *tensors = ctx.saved_tensors
         tensors = [ctx.nf4.get(i, t) for i, t in enumerate(tensors)]
         needs = ctx.needs_input_grad
+        t_needs = needs[6:]  # of the projections' tensors
         dtype = tensors[0].dtype
         d_p = _Proj(*tensors[_FIELDS:], *ctx.meta[1], dtype)
         E, T, k = d_p.weight.shape[0], x.shape[0], ctx.k
-        gu_needs = (needs[5], needs[7], needs[8])
-        d_needs = (needs[9], needs[11], needs[12])
+        gu_needs = (t_needs[0], t_needs[2], t_needs[3])
+        d_needs = (t_needs[4], t_needs[6], t_needs[7])
 
         dy = dout.to(dtype)[token]  # [S, H]
         dh = grouped_mm(dy, _as_kn(d_p.weight, d_p.transposed).transpose(1, 2), offs)
@@ -166,7 +170,7 @@ class GroupedMLPFunction(torch.autograd.Function):
             d_grads[3] = grouped_mm_wgrad(dy, d_p.rank_input(h, offs), offs, E)
         if d_p.bias is not None:
             dw = dw + (dy.float() * d_p.bias[expert].float()).sum(-1)
-            if needs[10]:
+            if t_needs[5]:
                 d_grads[1] = _segment_sum(dy.float() * w.float()[:, None], expert, E)
         del h, dy, d_p
         # The gate/up projection.
@@ -174,7 +178,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         xs = x.to(dtype)[token]
         dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs)
         gu_grads = [gu_w, None, gu_a, gu_b]
-        if gu_p.bias is not None and needs[6]:
+        if gu_p.bias is not None and t_needs[1]:
             gu_grads[1] = _segment_sum(dgu, expert, E)
         del xs, dgu
         dx = dxs[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype) if needs[0] else None
@@ -182,7 +186,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         grads = []
         for g, t in zip(gu_grads + d_grads, tensors):
             grads.append(None if g is None or t is None or isinstance(t, NF4Weight) else g.to(t.dtype))
-        return (dx, None, dtopk, None, None, *grads)
+        return (dx, None, dtopk, None, None, None, *grads)
 
 
 def _check(x, top_k_index, top_k_weights, gate_up: ExpertProjection, down: ExpertProjection, glu: ExpertGLU):
@@ -220,7 +224,8 @@ def _check(x, top_k_index, top_k_weights, gate_up: ExpertProjection, down: Exper
 
 
 def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up: ExpertProjection, down: ExpertProjection, glu: ExpertGLU = ExpertGLU()) -> torch.Tensor:
+                gate_up: ExpertProjection, down: ExpertProjection, glu: ExpertGLU = ExpertGLU(), *,
+                output_unused: bool = False) -> torch.Tensor:
     """The routed expert MLP (module docstring), [T, H] in x's dtype; ``moe_reference.grouped_mlp``'s math.
 
     Args:
@@ -231,6 +236,10 @@ def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
             weight may be an ``NF4Weight`` (dequantised per use; its gradient is never asked for).
         down: the second projection, in = I, out = H.
         glu: the activation between them.
+        output_unused: the caller discards the output and only needs the backward state (a
+            checkpoint recompute whose output only enters the residual sum): the GLU, the down
+            projection and the sum over slots are skipped and the output is NaN. The reference path
+            (no Triton) computes it anyway: its saved tensors must match its forward's.
 
     Raises:
         ValueError / TypeError naming the argument for shapes, dtypes or devices that do not fit.
@@ -242,4 +251,4 @@ def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
                          for p in (gate_up, down))
         return reference.grouped_mlp(x, top_k_index, top_k_weights, gate_up, down, glu)
     meta = ((gate_up.scaling, gate_up.transposed), (down.scaling, down.transposed))
-    return GroupedMLPFunction.apply(x, top_k_index, top_k_weights, glu, meta, *tensors)
+    return GroupedMLPFunction.apply(x, top_k_index, top_k_weights, glu, meta, bool(output_unused), *tensors)

@@ -38,6 +38,7 @@ from ..config import FastConfig
 from ..kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
 from ..kernels.moe_reference import moe_glu as reference_glu
 from ..kernels.nf4_weight import NF4Weight
+from .checkpointing import recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .mlp import config_activation, probe_activation
@@ -190,6 +191,9 @@ class FastExpertsForward(PatchedForward):
         self.glu = glu
         self.transposed = spec.experts_transposed
         self.bias = spec.experts_bias
+        # The block's output only enters the residual sum (every MoE row so far): a checkpoint
+        # recompute, whose output is thrown away, skips the GLU, the down projection and the sum.
+        self.skip_unused = not spec.mlp_output_saved
 
     def projections(self):
         """(gate_up, down) ``ExpertProjection``s for this call, or why the call stays stock."""
@@ -241,7 +245,8 @@ class FastExpertsForward(PatchedForward):
             hit = hit_experts(index, specs) if stock_is_faster(x) else None  # a decode step: its experts only
             if hit is not None:
                 index, specs = hit
-        return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu)
+        return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu,
+                           output_unused=self.skip_unused and recomputing())
 
     def _stock(self, nf4: bool, reason: str, args, kwargs):
         """The replaced forward, counted with ``reason``; NF4 experts dense for this call only."""

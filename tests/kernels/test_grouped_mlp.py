@@ -149,6 +149,29 @@ def test_nf4_weights_equal_their_dequantised_values(device, name, dtype, nested,
         assert torch.equal(a, b), f"reference path, output {i}"
 
 
+@pytest.mark.parametrize("name", ["silu_lora", "gpt_oss_lora_bias", "frozen_experts_lora"])
+def test_output_unused_skips_down_but_keeps_every_gradient(device, name, monkeypatch):
+    """output_unused (a checkpoint recompute): the gate/up product alone (no GLU, no down product
+    or sum over slots), a NaN output, and bitwise the gradients of a full call."""
+    case = _case(device, torch.float32, seed=11, **CASES[name])
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(12)).to(device)
+    full = _run(grouped_mlp, case, dy)
+    products, glus = [], []
+    real_mm, real_glu = grouped_mlp_mod.grouped_mm, grouped_mlp_mod.moe_glu
+    monkeypatch.setattr(grouped_mlp_mod, "grouped_mm", lambda z, w, offs: products.append(w.shape[2]) or
+                        real_mm(z, w, offs))
+    monkeypatch.setattr(grouped_mlp_mod, "moe_glu", lambda *a: glus.append(1) or real_glu(*a))
+    x, index, weights, gate_up, down, glu = case
+    out = grouped_mlp(x, index, weights, gate_up, down, glu, output_unused=True)
+    assert products == [2 * I, R, 2 * I] and glus == []  # the base gate/up product and its LoRA terms
+    assert out.shape == full[0].shape and out.dtype == full[0].dtype and torch.isnan(out).all()
+    products.clear()
+    skipped = torch.autograd.grad(out, _leaves(case), dy)
+    assert len(products) > 0  # the backward runs as a full call's does
+    for i, (a, b) in enumerate(zip(full[1:], skipped)):
+        assert torch.equal(a, b), f"gradient {i} of {name}"
+
+
 def test_bad_inputs_name_the_argument(device):
     x, index, weights, gate_up, down, glu = _case(device, torch.float32)
     with pytest.raises(ValueError, match="top_k_weights"):

@@ -165,6 +165,56 @@ def test_offloaded_checkpointing_matches_stock(device):
     assert report.calls["moe", FUSED] >= 2
 
 
+def _spy_output_unused(monkeypatch) -> list[bool]:
+    """The output_unused flag of every call of the grouped MLP Function, in call order."""
+    from fasttune.kernels import grouped_mlp as grouped_mlp_mod
+
+    flags = []
+    real = grouped_mlp_mod.GroupedMLPFunction.forward
+
+    def spy(ctx, x, index, weights, glu, meta, output_unused, *tensors):
+        flags.append(output_unused)
+        return real(ctx, x, index, weights, glu, meta, output_unused, *tensors)
+
+    monkeypatch.setattr(grouped_mlp_mod.GroupedMLPFunction, "forward", staticmethod(spy))
+    return flags
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_recompute_skips_the_unused_down_projection_exactly(model_type, device, monkeypatch):
+    """Under checkpointing the recompute's MoE output is thrown away (it only enters the residual
+    sum in every MoE family): the recompute runs the gate/up product alone (output_unused=True,
+    once per block), and loss and gradients equal those of an unchecked patched run and stock's."""
+    flags = _spy_output_unused(monkeypatch)
+    stock = tiny_model(model_type, seed=8).to(device)
+    plain, fast = copy.deepcopy(stock), copy.deepcopy(stock)
+    patch_model(plain, FastConfig())
+    report = patch_model(fast, FastConfig(checkpointing="recompute"))
+    blocks = MOE_BLOCKS[model_type]
+    out_plain = _compare(stock, plain, seed=19, device=device)
+    assert flags == [False] * blocks
+    flags.clear()
+    out_fast = _compare(stock, fast, seed=19, device=device)
+    assert flags == [False] * blocks + [True] * blocks, flags
+    assert report.calls["moe", FUSED] == 2 * blocks  # forward and recompute
+    assert torch.equal(out_fast.loss, out_plain.loss)
+    for (name, p), q in zip(fast.named_parameters(), plain.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), name
+
+
+def test_lora_on_experts_under_offload_skips_the_down_projection_exactly(device, monkeypatch):
+    """The same with PEFT LoRA on gpt-oss's experts (transposed weights, biases) under "offload"."""
+    flags = _spy_output_unused(monkeypatch)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS,
+                        init_lora_weights=False)
+    stock = get_peft_model(tiny_model("gpt_oss", seed=9), config).to(device)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig(checkpointing="offload"))
+    _compare(stock, fast, seed=20, device=device)
+    assert flags == [False] * 2 + [True] * 2, flags
+    assert report.calls["lora_moe", FUSED] == 4
+
+
 def test_greedy_generation_with_cache_matches_stock(device):
     stock = tiny_model("qwen3_moe", seed=7).to(device)
     fast = copy.deepcopy(stock)
