@@ -40,6 +40,7 @@ Usage (H200, repo root, peers' wheels as for bench_step.py):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -106,7 +107,9 @@ def prepare(stack: str, args, log):
     else:
         from fasttune import FastConfig, patch_model
 
-        report = patch_model(model, FastConfig(checkpointing=args.checkpointing, moe_experts_nf4=args.experts_nf4))
+        report = patch_model(model, FastConfig(checkpointing=args.checkpointing, moe_experts_nf4=args.experts_nf4,
+                                               experts_stash="experts" in args.stash,
+                                               attention_stash="attention" in args.stash))
         common.release()  # the bf16 experts that NF4 replaced
         log("    " + str(report).replace("\n", "\n    "))
         want = {"moe": args.layers, **({"lora_moe": args.layers} if args.lora == "experts" else {})}
@@ -179,6 +182,11 @@ def worker(stack: str, args) -> None:
             if report is not None:
                 row["calls"] = {f"{op}/{outcome}"[:120]: n for (op, outcome), n in report.calls.items()
                                 if op in ("moe", "lora_moe", "moe_nf4")}
+                from fasttune.model_patches.checkpointing import layer_checkpointing
+
+                ckpt = layer_checkpointing(model)
+                if ckpt is not None and ckpt.stash is not None:  # cores stashed, over budget, link busy
+                    row["stash"] = dataclasses.asdict(ckpt.stash.stats)
             if stack in args.profile:
                 row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", None)
                 for out in row["profile"].splitlines()[:60]:
@@ -201,7 +209,8 @@ def line(r: dict) -> str:
         return f"RESULT {r['stack']} {r['shape']}: FAILED {r['error']}"
     return (f"RESULT {r['stack']} {r['shape']}: {r['tokens_per_s']:,} tok/s, {r['ms']:.1f} ms/step, "
             f"peak allocated {r['peak_gib']} GiB, peak reserved {r.get('peak_reserved_gib', 'n/a')} GiB, "
-            f"loss {r['loss_step1']}" + (f", calls {r['calls']}" if r.get("calls") else ""))
+            f"loss {r['loss_step1']}" + (f", calls {r['calls']}" if r.get("calls") else "")
+            + (f", stash {r['stash']}" if r.get("stash") else ""))
 
 
 def run_stack(stack: str, args, log) -> list[dict]:
@@ -214,7 +223,8 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
            "--weights", args.weights, "--experts-nf4", args.experts_nf4,
            "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile),
-           "--host-profile", ",".join(args.host_profile)] + (["--smoke"] if args.smoke else [])
+           "--host-profile", ",".join(args.host_profile), "--stash", ",".join(args.stash)] + (
+               ["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -271,6 +281,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"))
+    p.add_argument("--stash", default="", help="fasttune's stashes under offload/auto, comma-separated: experts "
+                   "(FastConfig.experts_stash), attention (FastConfig.attention_stash)")
     p.add_argument("--ckpt-dir", default=None, help="where unsloth's checkpoint is written/read ('' to skip)")
     p.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="write the rows as JSON here")
@@ -286,6 +298,9 @@ def parse_args(argv=None):
     args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
     args.profile = [s for s in args.profile.split(",") if s]
     args.host_profile = [s for s in args.host_profile.split(",") if s]
+    args.stash = [s for s in args.stash.split(",") if s]
+    if any(s not in ("experts", "attention") for s in args.stash):
+        p.error(f"--stash takes experts and/or attention, got {args.stash}")
     if args.layers is None:
         args.layers = 2 if args.smoke else 8
     if args.smoke and args.shapes == [(4, 2048)]:
@@ -309,7 +324,7 @@ def main(argv=None) -> None:
 
     info = common.versions()
     log(" ".join(f"{k}={v}" for k, v in info.items()) + f" layers={args.layers} lora={args.lora} "
-        f"weights={args.weights} experts_nf4={args.experts_nf4}")
+        f"weights={args.weights} experts_nf4={args.experts_nf4} stash={','.join(args.stash) or 'none'}")
     rows = []
     for stack in args.stacks:
         rows += run_stack(stack, args, log)
@@ -317,7 +332,7 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"versions": info, "layers": args.layers, "lora": args.lora, "weights": args.weights,
-                       "experts_nf4": args.experts_nf4, "rows": rows}, f, indent=1)
+                       "experts_nf4": args.experts_nf4, "stash": args.stash, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

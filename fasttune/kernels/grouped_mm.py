@@ -185,11 +185,22 @@ def _torch_grouped_mm():
     return fn
 
 
+_MAJOR: dict[int, int] = {}  # compute capability major per CUDA device index (a query costs microseconds a call)
+
+
+def _major(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _MAJOR.get(index)
+    if major is None:
+        major = _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return major
+
+
 def _torch_fits(*ts: torch.Tensor) -> bool:
     """torch's CUTLASS grouped GEMM takes these: CUDA, bf16, aligned, compute capability ≥ 9.0."""
     if _torch_grouped_mm() is None or not all(t.is_cuda and t.dtype == torch.bfloat16 for t in ts):
         return False
-    if torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+    if _major(ts[0].device) < 9:
         return False
     return all(_aligned(t) and t.shape[-1] % 8 == 0 for t in ts)
 

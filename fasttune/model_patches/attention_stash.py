@@ -32,6 +32,13 @@ core stashed two cores before are still running, the next core is recomputed as 
 the copies waiting on the GPU stay within about two layers' worth. Not stashed: eager attention (it saves the
 [S, S] probabilities), attention dropout in training (skipping the core would shift the RNG for
 what follows), a KV cache, a core called more than once in one layer call (the first call is).
+
+The routed experts of a mixture-of-experts layer are a core of the same kind
+(``FastConfig.experts_stash``, ``moe.py``): the grouped expert Function saves its gate/up product
+[tokens·k, 2I] and its input, which the stash moves to the host (``saved_all``: tensors a custom
+Function saves do not require grad); the recompute skips the routed experts (their output only enters
+the residual sum, so none is stashed: ``output_unused``). A layer's blocks are all fetched back when
+its recompute begins, so the experts' copies overlap the attention's recompute.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ MIN_BYTES = 1 << 20
 LINK_LAG = 2  # stashed cores whose copies may still be on their way when the next core starts
 STORAGE_SLACK = 2  # a saved view's whole storage is copied when it is at most this many times the view
 HOST_SHARE = 0.5  # of the memory available to the process when a forward starts stashing
+
+ATTENTION, EXPERTS = "attention", "experts"  # the kinds of core (``StashChain.kinds``)
 
 _CURRENT = contextvars.ContextVar("fasttune_attention_stash", default=None)
 
@@ -103,8 +112,10 @@ class StashChain:
     """Per-model state: the checkpointer whose pool and side stream carry the copies, the budget,
     the bytes on the host now, and the last layer stash made (for the prefetch of the one below)."""
 
-    def __init__(self, checkpointer: OffloadedCheckpointer, budget_bytes: int | None = None):
+    def __init__(self, checkpointer: OffloadedCheckpointer, budget_bytes: int | None = None,
+                 kinds: tuple[str, ...] = (ATTENTION,)):
         self.checkpointer = checkpointer
+        self.kinds = frozenset(kinds)  # the cores that go to the host: ATTENTION and/or EXPERTS
         self.fixed_budget = budget_bytes  # tests pin it; None: measured when the stash is empty
         self.budget: int | None = None
         self.stats = StashStats()
@@ -205,6 +216,19 @@ class StashedBlock:
         return self.chain.checkpointer.take(self.packed, keep=keep)
 
 
+class UnusedOutput:
+    """A stashed core's output nobody reads (it only enters the residual sum): nothing is copied; the
+    recompute gets NaNs of its shape, so that a use of them could not go unnoticed."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype, self.device = tuple(t.shape), t.dtype, t.device
+
+    def get(self) -> torch.Tensor:
+        return torch.full(self.shape, float("nan"), dtype=self.dtype, device=self.device)
+
+
 class StashedRef:
     """One saved tensor: its block (bytes) and where it sits in it (in elements of its dtype)."""
 
@@ -245,72 +269,90 @@ class LayerStash:
         self.chain = chain
         self.prev = prev
         self.recompute = False
-        self.calls = 0
-        self.plan: list[StashedRef | None] = []  # per core call: its output's ref, or None (run as usual)
-        self.grad: list[bool | None] = []  # per core call: its output required grad
-        self.blocks: dict[tuple, StashedBlock] = {}
+        self.calls: dict[str, int] = {}  # per kind of core: its calls in the current pass
+        # per (kind, call): its output's ref (or UnusedOutput), or None (run as usual); its output required grad
+        self.plan: dict[tuple[str, int], StashedRef | UnusedOutput | None] = {}
+        self.grad: dict[tuple[str, int], bool] = {}
+        self.blocks: list[StashedBlock] = []  # of every core of the layer call
+        # This core's blocks by memory address: valid while the core runs only (its tensors are held
+        # alive meanwhile); a later core may get the same addresses for other tensors.
+        self._by_address: dict[tuple, StashedBlock] = {}
         self._alive: list[torch.Tensor] | None = None
         self._param_storages: set[int] | None = None
 
     def begin(self, recompute: bool) -> contextvars.Token:
-        """Enter a pass of the layer call (its forward or a recompute)."""
+        """Enter a pass of the layer call (its forward or a recompute). A recompute starts fetching
+        every block of the layer back: its backward needs them all, the experts' right after the
+        attention's recompute."""
         self.recompute = recompute
-        self.calls = 0
+        self.calls = {}
+        if recompute:
+            for block in self.blocks:
+                block.prefetch()
         return _CURRENT.set(self)
 
     @staticmethod
     def end(token: contextvars.Token) -> None:
         _CURRENT.reset(token)
 
-    def run(self, core: Callable[[], tuple], core_bytes: int, module: torch.nn.Module):
+    def run(self, core: Callable[[], tuple], core_bytes: int, module: torch.nn.Module, kind: str = ATTENTION, *,
+            saved_all: bool = False, output_unused: bool = False):
         """Run ``core`` (returns (output, extra)) stashed, as usual, or not at all (a recompute
         whose core was stashed: the output comes back from the host, extra is None).
 
         ``core_bytes``: what the core will stash, estimated; ``module``: the one whose parameters
-        the core uses (their views stay where they are)."""
-        index, self.calls = self.calls, self.calls + 1
+        the core uses (their views stay where they are); ``kind``: ATTENTION or EXPERTS, stashed
+        when the chain's kinds hold it; ``saved_all``: every large saved tensor that is not a
+        parameter goes to the host, whether it requires grad or not (a custom Function's
+        intermediates); ``output_unused``: the recompute's output is thrown away (NaNs then)."""
+        index = self.calls.get(kind, 0)
+        self.calls[kind] = index + 1
+        key = (kind, index)
         if self.recompute:
-            ref = self.plan[index] if index < len(self.plan) else None
+            ref = self.plan.get(key)
             if ref is None:
                 return core()
             out = ref.get()
-            if self.grad[index]:  # as in forward, so what follows saves the same tensors (linear saves W for dX)
+            if self.grad[key]:  # as in forward, so what follows saves the same tensors (linear saves W for dX)
                 out = out.detach().requires_grad_()
             self.chain.stats.cores_skipped += 1
-            for block in self.blocks.values():  # this layer's backward needs them next
+            for block in self.blocks:  # this layer's backward needs them next
                 block.prefetch()
             below = self.prev() if self.prev is not None else None
             if below is not None:
-                for ref_below in below.plan:
-                    if ref_below is not None:
+                for ref_below in below.plan.values():
+                    if isinstance(ref_below, StashedRef):
                         ref_below.block.prefetch()
             return out, None
-        if index > 0 or self.chain.link_busy() or not self.chain.admit(core_bytes):
-            self.plan.append(None)
-            self.grad.append(None)
+        if (kind not in self.chain.kinds or index > 0 or self.chain.link_busy()
+                or not self.chain.admit(core_bytes)):
+            self.plan[key] = None
             return core()
         self._param_storages = _storages(module.parameters())
         self._alive = []
+        self._by_address = {}
         try:
-            with StashHooks(self):
+            with StashHooks(self, saved_all):
                 out, extra = core()
-            ref = self.ref(out, force=True)
-            pending = [b for b in self.blocks.values() if b.packed is None]
+            ref = UnusedOutput(out) if output_unused else self.ref(out, force=True)
+            pending = list(self._by_address.values())
             for block, packed in zip(pending, self.chain.checkpointer.pack_many([b.flat for b in pending])):
                 block.packed, block.flat = packed, None
         finally:
             self._alive = None
+            self._by_address = {}
         if ref is None:  # the core's output is a plain contiguous tensor (attention.py); anything else is a bug
             raise RuntimeError(f"attention stash: the core's output {type(out).__name__} {tuple(out.stride())} "
                                "cannot be copied flat")
-        self.plan.append(ref)
-        self.grad.append(out.requires_grad)
+        self.plan[key] = ref
+        self.grad[key] = out.requires_grad
         self.chain.copies_queued(out.device)
         self.chain.stats.cores_stashed += 1
         return out, extra
 
-    def ref(self, t: torch.Tensor, force: bool = False):
-        """A ``StashedRef`` for ``t`` when it goes to the host (``force``: whatever its kind), else None.
+    def ref(self, t: torch.Tensor, force: bool = False, saved_all: bool = False):
+        """A ``StashedRef`` for ``t`` when it goes to the host (``force``: whatever its kind;
+        ``saved_all``: large and not a parameter's memory, whether it requires grad or not), else None.
 
         A block is the tensor's whole storage, shared by every saved view of it (q, k and v are
         column slices of one fused product: one copy), unless the storage is much larger than the
@@ -321,14 +363,14 @@ class LayerStash:
             return None
         nbytes = t.numel() * t.element_size()
         if not force:
-            if nbytes < self.chain.min_bytes or not t.requires_grad or t.is_leaf:
+            if nbytes < self.chain.min_bytes or (not saved_all and (not t.requires_grad or t.is_leaf)):
                 return None
             if t.untyped_storage().data_ptr() in self._param_storages:
                 return None
         detached = t.detach()
         storage = detached.untyped_storage()
         key = (t.device, storage.data_ptr())
-        block = self.blocks.get(key)
+        block = self._by_address.get(key)
         if block is None and storage.nbytes() <= STORAGE_SLACK * nbytes:
             flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             block = self._new_block(key, flat, detached)
@@ -337,14 +379,15 @@ class LayerStash:
         if _span(t) != t.numel():
             return None  # gaps in a large storage: the span would move bytes nobody saved
         key = (t.device, storage.data_ptr() + detached.storage_offset() * t.element_size(), t.numel(), t.dtype)
-        block = self.blocks.get(key)
+        block = self._by_address.get(key)
         if block is None:
             flat = detached.as_strided((t.numel(),), (1,), detached.storage_offset()).view(torch.uint8)
             block = self._new_block(key, flat, detached)
         return StashedRef(block, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
 
     def _new_block(self, key, flat: torch.Tensor, owner: torch.Tensor) -> "StashedBlock":
-        block = self.blocks[key] = StashedBlock(self.chain, flat)
+        block = self._by_address[key] = StashedBlock(self.chain, flat)
+        self.blocks.append(block)
         # Held until the core ends, so no later tensor of the core gets this address (and this key).
         self._alive.append(owner)
         return block
@@ -353,8 +396,9 @@ class LayerStash:
 class StashHooks(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks of a stashed core: activations go to the host, everything else stays."""
 
-    def __init__(self, stash: LayerStash):
+    def __init__(self, stash: LayerStash, saved_all: bool = False):
         self.stash = stash
+        self.saved_all = saved_all
         super().__init__(self._pack, self._unpack)
 
     def __exit__(self, *exc):
@@ -362,7 +406,7 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
         return super().__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor):
-        ref = self.stash.ref(tensor)
+        ref = self.stash.ref(tensor, saved_all=self.saved_all)
         # detach: returning a saved output itself would make a reference cycle through its grad_fn
         return ref if ref is not None else tensor.detach()
 
@@ -371,5 +415,5 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
         return saved.get() if isinstance(saved, StashedRef) else saved
 
 
-__all__ = ["LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef", "available_host_bytes",
-           "current"]
+__all__ = ["ATTENTION", "EXPERTS", "LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef",
+           "UnusedOutput", "available_host_bytes", "current"]

@@ -55,7 +55,7 @@ from ..config import FastConfig
 from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
-from .attention_stash import LayerStash, StashChain
+from .attention_stash import ATTENTION, EXPERTS, LayerStash, StashChain
 from .offload import OffloadedCheckpointer
 from .report import PatchReport
 
@@ -95,7 +95,7 @@ class ForwardThenRecompute:
     def __init__(self, stock, stash: LayerStash | None = None):
         self.stock = stock
         self.calls = 0
-        self.stash = stash  # the layer call's attention stash (attention_stash.py), if it has one
+        self.stash = stash  # the layer call's stash (attention_stash.py), if it has one
         self.memo: dict = {}
 
     def __call__(self, *args, **kwargs):
@@ -257,7 +257,8 @@ class LayerCheckpointing:
         mode: "recompute", "offload" or "auto".
         n_layers: decoder layers wrapped.
         checkpointer: the ``OffloadedCheckpointer`` (offload and auto).
-        stash: the ``StashChain`` of ``FastConfig.attention_stash`` (offload and auto), else None.
+        stash: the ``StashChain`` of ``FastConfig.attention_stash`` / ``experts_stash`` (offload and
+            auto), else None.
         policy: the ``AutoPolicy`` (auto only).
         resident: layers [0, resident) run resident in the current forward (auto).
     """
@@ -267,7 +268,8 @@ class LayerCheckpointing:
         self.base = base
         self.n_layers = n_layers
         self.checkpointer = OffloadedCheckpointer() if mode in ("offload", "auto") else None
-        self.stash = StashChain(self.checkpointer) if self.checkpointer is not None and config.attention_stash else None
+        kinds = tuple(k for k, on in ((ATTENTION, config.attention_stash), (EXPERTS, config.experts_stash)) if on)
+        self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
         self._hf_flags: list[nn.Module] = []

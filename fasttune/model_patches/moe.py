@@ -38,6 +38,7 @@ from ..config import FastConfig
 from ..kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
 from ..kernels.moe_reference import moe_glu as reference_glu
 from ..kernels.nf4_weight import NF4Weight
+from . import attention_stash
 from .checkpointing import recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
@@ -245,8 +246,17 @@ class FastExpertsForward(PatchedForward):
             hit = hit_experts(index, specs) if stock_is_faster(x) else None  # a decode step: its experts only
             if hit is not None:
                 index, specs = hit
-        return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu,
-                           output_unused=self.skip_unused and recomputing())
+        def core():
+            return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu,
+                               output_unused=self.skip_unused and recomputing()), None
+
+        stash = attention_stash.current()
+        if stash is None or not torch.is_grad_enabled():
+            return core()[0]
+        # What the grouped Function saves: its gate/up product [T·k, 2I] and its input.
+        core_bytes = (x.shape[0] * index.shape[1] * specs[0].out_features + x.numel()) * x.element_size()
+        return stash.run(core, core_bytes, self.module, attention_stash.EXPERTS, saved_all=True,
+                         output_unused=self.skip_unused)[0]
 
     def _stock(self, nf4: bool, reason: str, args, kwargs):
         """The replaced forward, counted with ``reason``; NF4 experts dense for this call only."""

@@ -169,7 +169,9 @@ def test_output_unused_skips_down_but_keeps_every_gradient(device, name, monkeyp
     skipped = torch.autograd.grad(out, _leaves(case), dy)
     assert len(products) > 0  # the backward runs as a full call's does
     for i, (a, b) in enumerate(zip(full[1:], skipped)):
-        assert torch.equal(a, b), f"gradient {i} of {name}"
+        # Bitwise on CPU; CUDA's index_add_ (the bias gradients' segment sums) adds atomically.
+        same = torch.equal(a, b) if a.device.type == "cpu" else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert same, f"gradient {i} of {name}"
 
 
 def test_bad_inputs_name_the_argument(device):
