@@ -13,7 +13,7 @@ Forward (S = T·k rows):
   2. GU = grouped_mm(x[t], W_guᵀ) (+ s·(x[t] Aᵀ) Bᵀ, + b)                  [S, 2I]
   3. H' = w · a(gate)·up   (``moe_glu``: the router weight folded into H)   [S, I]
   4. Y = grouped_mm(H', W_dᵀ) (+ s·(H' Aᵀ) Bᵀ, + w·b)                        [S, H]
-  5. out[t] = Σ of the k rows of token t (a gather by the inverse permutation, a sum in fp32).
+  5. out[t] = Σ of the k rows of token t (``moe_combine``: by the inverse permutation, in fp32, one pass).
 
 Backward, dY_i = dout[t_i] (a gather):
   dH' = dY W_d + s·(dY B_d) A_d;  (dGU, H', dw) = moe_glu_backward(GU, dH', w)  [dw_i = ⟨dH'_i, v_i⟩,
@@ -37,6 +37,7 @@ import torch
 from . import moe_reference as reference
 from ._backend import check_float, check_same_device, use_triton
 from .grouped_mm import group_offsets, grouped_mm, grouped_mm_wgrad
+from .moe_combine import combine_rows
 from .moe_glu import moe_glu, moe_glu_backward
 from .moe_reference import ExpertGLU, ExpertProjection
 from .nf4_weight import NF4Weight
@@ -133,7 +134,7 @@ class GroupedMLPFunction(torch.autograd.Function):
             d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
             y = d_p.forward(h, offs, expert, row_weight=w)
             del d_p, h
-            out = y[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+            out = combine_rows(y, inverse, k, x.dtype)
         # NF4 weights are no tensors autograd can save: they ride on ctx (frozen, nothing to track).
         ctx.nf4 = {i: t for i, t in enumerate(tensors) if isinstance(t, NF4Weight)}
         saved = [None if i in ctx.nf4 else t for i, t in enumerate(tensors)]
@@ -181,7 +182,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         if gu_p.bias is not None and t_needs[1]:
             gu_grads[1] = _segment_sum(dgu, expert, E)
         del xs, dgu
-        dx = dxs[inverse].view(T, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype) if needs[0] else None
+        dx = combine_rows(dxs, inverse, k, x.dtype) if needs[0] else None
         dtopk = dw[inverse].view(T, k).to(ctx.w_dtype) if needs[2] else None
         grads = []
         for g, t in zip(gu_grads + d_grads, tensors):
