@@ -21,8 +21,10 @@ Backward, dY_i = dout[t_i] (a gather):
   dW_d[e] = dY_eᵀ H'_e,  dW_gu[e] = dGU_eᵀ x_e  (grouped_mm_wgrad; transposed layouts swap operands);
   dA = s·(dY B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
 
-Saved between forward and backward: GU [S, 2I] (its buffer receives dGU) and the routing indices;
-x[t], H' and the rank-r products are recomputed (x itself is the caller's). A frozen weight held in
+Saved between forward and backward: GU [S, 2I] (its buffer receives dGU), the routing indices and
+the gate/up projection's rank-r product s·(x[t] Aᵀ) [S, r]; x[t], H' and the down projection's
+rank-r product are recomputed (x itself is the caller's; H' does not exist in a recompute that
+skips the down projection). A frozen weight held in
 NF4 (``nf4_weight.NF4Weight``, QLoRA experts) is dequantised where it is used, in the forward and
 again in the backward: at most one projection's dense weight is alive at a time, none between
 them. An expert with no row gets zero gradients. Every product runs in the base weight's dtype (x, adapters and biases are
@@ -75,17 +77,20 @@ class _Proj:
         return grouped_mm(z, self.a.transpose(1, 2), offs).mul_(self.scaling)
 
     def forward(self, z, offs, expert, row_weight=None):
+        """(y, s · z Aᵀ or None): the rows' output and the rank-r product (dB needs it again)."""
         y = grouped_mm(z, _as_kn(self.weight, self.transposed), offs)
+        rank = None
         if self.a is not None:
-            y = y + grouped_mm(self.rank_input(z, offs), self.b.transpose(1, 2), offs)
+            rank = self.rank_input(z, offs)
+            y.add_(grouped_mm(rank, self.b.transpose(1, 2), offs))
         if self.bias is not None:
             b = self.bias[expert]
-            y = y + (b if row_weight is None else b * row_weight[:, None].to(b.dtype))
-        return y
+            y.add_(b if row_weight is None else b * row_weight[:, None].to(b.dtype))
+        return y, rank
 
-    def backward(self, z, dy, offs, needs):
-        """(dz, dweight, dbias-by-row source, dA, dB): dz of the rows, and the parameter gradients
-        asked for by ``needs`` (weight, lora_a, lora_b)."""
+    def backward(self, z, dy, offs, needs, rank=None):
+        """(dz, dweight, dA, dB): dz of the rows, and the parameter gradients asked for by ``needs``
+        (weight, lora_a, lora_b); ``rank``: the forward's s · z Aᵀ, recomputed when not given."""
         E = self.weight.shape[0]
         dz = grouped_mm(dy, _as_kn(self.weight, self.transposed).transpose(1, 2), offs)
         dw = da = db = None
@@ -93,11 +98,11 @@ class _Proj:
             dw = grouped_mm_wgrad(z, dy, offs, E) if self.transposed else grouped_mm_wgrad(dy, z, offs, E)
         if self.a is not None:
             dyb = grouped_mm(dy, self.b, offs).mul_(self.scaling)  # s · dY Bₑ [rows, r]
-            dz = dz + grouped_mm(dyb, self.a, offs)
+            dz.add_(grouped_mm(dyb, self.a, offs))
             if needs[1]:
                 da = grouped_mm_wgrad(dyb, z, offs, E)
             if needs[2]:
-                db = grouped_mm_wgrad(dy, self.rank_input(z, offs), offs, E)
+                db = grouped_mm_wgrad(dy, self.rank_input(z, offs) if rank is None else rank, offs, E)
         return dz, dw, da, db
 
 
@@ -125,26 +130,26 @@ class GroupedMLPFunction(torch.autograd.Function):
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         w = top_k_weights.reshape(-1)[perm]
         xs = x.to(dtype)[token]
-        gate_up = gu_p.forward(xs, offs, expert)
+        gate_up, gu_rank = gu_p.forward(xs, offs, expert)
         del xs, gu_p
         if output_unused:  # a discarded recompute: backward needs gate_up alone; NaNs, so a use shows
             out = torch.full_like(x, float("nan"))
         else:
             h = moe_glu(gate_up, w, glu)
             d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
-            y = d_p.forward(h, offs, expert, row_weight=w)
+            y, _ = d_p.forward(h, offs, expert, row_weight=w)
             del d_p, h
             out = combine_rows(y, inverse, k, x.dtype)
         # NF4 weights are no tensors autograd can save: they ride on ctx (frozen, nothing to track).
         ctx.nf4 = {i: t for i, t in enumerate(tensors) if isinstance(t, NF4Weight)}
         saved = [None if i in ctx.nf4 else t for i, t in enumerate(tensors)]
-        ctx.save_for_backward(x, expert, token, inverse, offs, w, gate_up, *saved)
+        ctx.save_for_backward(x, expert, token, inverse, offs, w, gate_up, gu_rank, *saved)
         ctx.glu, ctx.meta, ctx.k, ctx.w_dtype = glu, meta, k, top_k_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, expert, token, inverse, offs, w, gate_up, *tensors = ctx.saved_tensors
+        x, expert, token, inverse, offs, w, gate_up, gu_rank, *tensors = ctx.saved_tensors
         tensors = [ctx.nf4.get(i, t) for i, t in enumerate(tensors)]
         needs = ctx.needs_input_grad
         t_needs = needs[6:]  # of the projections' tensors
@@ -158,7 +163,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         dh = grouped_mm(dy, _as_kn(d_p.weight, d_p.transposed).transpose(1, 2), offs)
         if d_p.a is not None:
             dyb = grouped_mm(dy, d_p.b, offs).mul_(d_p.scaling)
-            dh = dh + grouped_mm(dyb, d_p.a, offs)
+            dh.add_(grouped_mm(dyb, d_p.a, offs))
         dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
         del dh
         # The down projection's parameter gradients (its dz, dh, is already computed above).
@@ -177,7 +182,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         # The gate/up projection.
         gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
         xs = x.to(dtype)[token]
-        dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs)
+        dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs, rank=gu_rank)
         gu_grads = [gu_w, None, gu_a, gu_b]
         if gu_p.bias is not None and t_needs[1]:
             gu_grads[1] = _segment_sum(dgu, expert, E)
