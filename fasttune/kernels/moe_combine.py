@@ -22,8 +22,13 @@ MAX_BLOCK = 1024
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, inverse_ptr, out_ptr, n_cols, stride_r, stride_o,
-                    K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(
+    rows_ptr,  # [S, N] float32/float16/bfloat16, unit column stride
+    inverse_ptr,  # [S] int64/int32: row of token t's slot j at t·K + j
+    out_ptr,  # [T, N] any float dtype, unit column stride
+    n_cols, stride_r, stride_o,
+    K: tl.constexpr, BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -184,10 +184,11 @@ class StashedBlock:
     attention output are one block) and dropped at the last; a second backward takes it again.
     """
 
-    __slots__ = ("chain", "flat", "packed", "nbytes", "uses", "left", "__weakref__")
+    __slots__ = ("chain", "kind", "flat", "packed", "nbytes", "uses", "left", "__weakref__")
 
-    def __init__(self, chain: StashChain, flat: torch.Tensor):
+    def __init__(self, chain: StashChain, flat: torch.Tensor, kind: str = ATTENTION):
         self.chain = chain
+        self.kind = kind  # of the core that made it
         self.flat = flat  # uint8 device memory, until the core's copies start together (``LayerStash.run``)
         self.packed = None
         self.nbytes = flat.numel()
@@ -278,17 +279,24 @@ class LayerStash:
         # alive meanwhile); a later core may get the same addresses for other tensors.
         self._by_address: dict[tuple, StashedBlock] = {}
         self._alive: list[torch.Tensor] | None = None
+        self._kind = ATTENTION  # of the core running now
         self._param_storages: set[int] | None = None
 
     def begin(self, recompute: bool) -> contextvars.Token:
         """Enter a pass of the layer call (its forward or a recompute). A recompute starts fetching
-        every block of the layer back: its backward needs them all, the experts' right after the
-        attention's recompute."""
+        every block of the layer back (its backward needs them all), then the experts' blocks of the
+        layer below: the copy waits for the work queued before it, and the experts' backward comes
+        right after the attention's short recompute, so a fetch started one layer ahead is one the
+        backward does not wait for."""
         self.recompute = recompute
         self.calls = {}
         if recompute:
             for block in self.blocks:
                 block.prefetch()
+            below = self.prev() if self.prev is not None else None
+            for block in below.blocks if below is not None else ():
+                if block.kind == EXPERTS:
+                    block.prefetch()
         return _CURRENT.set(self)
 
     @staticmethod
@@ -331,6 +339,7 @@ class LayerStash:
         self._param_storages = _storages(module.parameters())
         self._alive = []
         self._by_address = {}
+        self._kind = kind
         try:
             with StashHooks(self, saved_all):
                 out, extra = core()
@@ -386,7 +395,7 @@ class LayerStash:
         return StashedRef(block, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
 
     def _new_block(self, key, flat: torch.Tensor, owner: torch.Tensor) -> "StashedBlock":
-        block = self._by_address[key] = StashedBlock(self.chain, flat)
+        block = self._by_address[key] = StashedBlock(self.chain, flat, self._kind)
         self.blocks.append(block)
         # Held until the core ends, so no later tensor of the core gets this address (and this key).
         self._alive.append(owner)

@@ -170,7 +170,7 @@ def test_output_unused_skips_down_but_keeps_every_gradient(device, name, monkeyp
     assert len(products) > 0  # the backward runs as a full call's does
     for i, (a, b) in enumerate(zip(full[1:], skipped)):
         # Bitwise on CPU; CUDA's index_add_ (the bias gradients' segment sums) adds atomically.
-        same = torch.equal(a, b) if a.device.type == "cpu" else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+        same = torch.equal(a, b) if a.device.type == "cpu" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
         assert same, f"gradient {i} of {name}"
 
 
