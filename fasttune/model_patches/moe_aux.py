@@ -41,7 +41,18 @@ def router_logits_wanted(module: nn.Module, kwargs: dict) -> bool | None:
 
 
 def add_router_aux(module: nn.Module, loss: torch.Tensor, outputs, attention_mask):
-    """(loss + coef · aux, aux) from the backbone ``outputs``' router logits, as the stock forward adds it."""
-    aux = aux_loss_function(module)(outputs.router_logits, module.num_experts, module.num_experts_per_tok,
-                                     attention_mask)
+    """(loss + coef · aux, aux) from the backbone ``outputs``' router logits, as the stock forward adds it.
+
+    Raises:
+        ValueError: the backbone recorded no router logits (transformers 5.17's Granite-MoE records
+            none, and its stock forward then fails on an int): the loss asked for cannot be computed.
+    """
+    logits = getattr(outputs, "router_logits", None)
+    if not isinstance(logits, tuple) or not logits:
+        import transformers
+
+        raise ValueError(f"output_router_logits=True, but this transformers ({transformers.__version__}) records no "
+                         f"router logits for {type(module).__name__}, so its auxiliary loss cannot be added; pass "
+                         "output_router_logits=False or use a transformers version that records them")
+    aux = aux_loss_function(module)(logits, module.num_experts, module.num_experts_per_tok, attention_mask)
     return loss + module.router_aux_loss_coef * aux.to(loss.device), aux

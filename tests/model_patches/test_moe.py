@@ -17,6 +17,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from peft import LoraConfig, get_peft_model
 
 from fasttune import FastConfig, patch_model, unpatch_model
@@ -56,7 +57,17 @@ def _step(model, batch):
     return out
 
 
+def _records_router_logits(model) -> bool:
+    """Whether this transformers records the routers' logits for the model (5.17's Granite-MoE does not,
+    and its own forward then fails computing the auxiliary loss)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "router_logits" in (getattr(type(getattr(base, "model", base)), "_can_record_outputs", None) or {})
+
+
 def _compare(stock, fast, seed, device, seq=13):
+    if stock.config.output_router_logits and not _records_router_logits(stock):
+        pytest.skip(f"transformers {transformers.__version__} records no router logits for "
+                    f"{stock.config.model_type} (stock cannot compute its auxiliary loss)")
     batch = make_batch(stock.config.vocab_size, seq=seq, seed=seed, device=device)
     stock.train(), fast.train()
     out_fast, out_stock = _step(fast, batch), _step(stock, batch)

@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from fasttune import FastConfig, patch_model
-from fasttune.model_patches.moe_aux import aux_loss_function, router_logits_wanted
+from fasttune.model_patches.moe_aux import add_router_aux, aux_loss_function, router_logits_wanted
 from helpers.compare import rel_err
 from helpers.tiny_models import make_batch, tiny_model
 
@@ -43,3 +43,14 @@ def test_fused_head_adds_the_auxiliary_loss_only_when_asked(asked, device):
     if asked:
         assert rel_err(a.aux_loss, b.aux_loss) <= 1e-6
         assert len(a.router_logits) == 1 and rel_err(a.router_logits[0], b.router_logits[0]) <= 1e-6
+
+
+def test_no_recorded_router_logits_raise_naming_the_option():
+    """transformers 5.17's Granite-MoE records no router logits: a clear error, not a crash on an int."""
+    import torch
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    model = tiny_model("mixtral", output_router_logits=True)
+    for logits in (None, ()):
+        with pytest.raises(ValueError, match="output_router_logits"):
+            add_router_aux(model, torch.tensor(1.0), MoeModelOutputWithPast(router_logits=logits), None)
