@@ -102,7 +102,9 @@ class FastConfig:
         "help": "With checkpointing 'offload' or 'auto': the routed experts of each offloaded mixture-of-experts "
                 "layer keep what they save for backward (their gate/up product and input) in pinned host memory "
                 "instead of being recomputed (about 0.23 GiB of host memory per layer per 8k tokens of "
-                "Qwen3-30B-A3B, within the same host budget as attention_stash). Exact."})
+                "Qwen3-30B-A3B, within the same host budget as attention_stash). Exact. Measured slower on an H200 "
+                "with a PCIe host link (~46k vs ~72k tok/s on 8 Qwen3-30B-A3B layers, benchmarks/RESULTS.md): "
+                "for hosts whose link to the GPU is much faster than PCIe."})
     cuda_expandable_segments: bool = field(default=True, metadata={
         "help": "Switch torch's CUDA caching allocator to expandable segments when a model is patched on a "
                 "machine with CUDA (process-wide, for allocations from then on; undone by unpatch_model): "
