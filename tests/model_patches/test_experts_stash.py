@@ -14,9 +14,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from fasttune.config import FastConfig
-from fasttune.kernels import grouped_mlp as grouped_mlp_mod
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
+from helpers.spies import grouped_mlp_output_unused
 from helpers.tiny_models import make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -50,19 +50,6 @@ def _stashed(model, mode="offload", **config):
     return chain
 
 
-def _function_calls(monkeypatch) -> list[bool]:
-    """output_unused of every grouped-Function forward, in call order."""
-    flags = []
-    real = grouped_mlp_mod.GroupedMLPFunction.forward
-
-    def spy(ctx, x, index, weights, glu, meta, output_unused, *tensors):
-        flags.append(output_unused)
-        return real(ctx, x, index, weights, glu, meta, output_unused, *tensors)
-
-    monkeypatch.setattr(grouped_mlp_mod.GroupedMLPFunction, "forward", staticmethod(spy))
-    return flags
-
-
 def _gate_up_bytes(model, batch) -> int:
     """Bytes of one MoE block's gate/up product [tokens·k, 2I] (what a custom Function saves)."""
     config = model.config
@@ -83,7 +70,7 @@ def _assert_same(got, ref):
 def test_bitwise_equal_to_no_checkpointing_and_the_experts_are_not_recomputed(model_type, lora, monkeypatch):
     """LoRA on the experts (Qwen3-MoE; gpt-oss's transposed weights with biases) and full fine-tuning
     (Mixtral: router and experts train)."""
-    flags = _function_calls(monkeypatch)
+    flags = grouped_mlp_output_unused(monkeypatch)
     batch = make_batch(tiny_model(model_type).config.vocab_size, seed=0)
     reference = _model(model_type, lora)
     patch_model(reference, FastConfig())

@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from fasttune import FastConfig, patch_model, unpatch_model
 from fasttune.model_patches.report import FUSED
 from helpers.compare import assert_grads_close, grad_errors, rel_err
-from helpers.spies import model_patch_counts
+from helpers.spies import grouped_mlp_output_unused, model_patch_counts
 from helpers.tiny_models import MOE_TYPES, make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -176,27 +176,12 @@ def test_offloaded_checkpointing_matches_stock(device):
     assert report.calls["moe", FUSED] >= 2
 
 
-def _spy_output_unused(monkeypatch) -> list[bool]:
-    """The output_unused flag of every call of the grouped MLP Function, in call order."""
-    from fasttune.kernels import grouped_mlp as grouped_mlp_mod
-
-    flags = []
-    real = grouped_mlp_mod.GroupedMLPFunction.forward
-
-    def spy(ctx, x, index, weights, glu, meta, output_unused, *tensors):
-        flags.append(output_unused)
-        return real(ctx, x, index, weights, glu, meta, output_unused, *tensors)
-
-    monkeypatch.setattr(grouped_mlp_mod.GroupedMLPFunction, "forward", staticmethod(spy))
-    return flags
-
-
 @pytest.mark.parametrize("model_type", MOE_TYPES)
 def test_recompute_skips_the_unused_down_projection_exactly(model_type, device, monkeypatch):
     """Under checkpointing the recompute's MoE output is thrown away (it only enters the residual
     sum in every MoE family): the recompute runs the gate/up product alone (output_unused=True,
     once per block), and loss and gradients equal those of an unchecked patched run and stock's."""
-    flags = _spy_output_unused(monkeypatch)
+    flags = grouped_mlp_output_unused(monkeypatch)
     stock = tiny_model(model_type, seed=8).to(device)
     plain, fast = copy.deepcopy(stock), copy.deepcopy(stock)
     patch_model(plain, FastConfig())
@@ -217,7 +202,7 @@ def test_recompute_skips_the_unused_down_projection_exactly(model_type, device, 
 
 def test_lora_on_experts_under_offload_skips_the_down_projection_exactly(device, monkeypatch):
     """The same with PEFT LoRA on gpt-oss's experts (transposed weights, biases) under "offload"."""
-    flags = _spy_output_unused(monkeypatch)
+    flags = grouped_mlp_output_unused(monkeypatch)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS,
                         init_lora_weights=False)
     stock = get_peft_model(tiny_model("gpt_oss", seed=9), config).to(device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from fasttune.kernels import grouped_mlp as grouped_mlp_mod
 from fasttune.model_patches import lora as lora_mod
 from fasttune.model_patches.allocator import OP as ALLOCATOR_OP
 
@@ -26,3 +27,17 @@ def model_patch_counts(report) -> dict[str, int]:
     """``report.patched`` without the CUDA allocator switch, which only a CUDA machine reports
     (test_allocator.py tests it): the model's own patches, the same on CPU and GPU."""
     return {op: n for op, n in report.patched.items() if op != ALLOCATOR_OP}
+
+
+def grouped_mlp_output_unused(monkeypatch) -> list[bool]:
+    """The ``output_unused`` flag of every forward of the grouped expert-MLP Function, in call order
+    (False: a full call; True: a checkpoint recompute's gate/up product alone)."""
+    flags = []
+    real = grouped_mlp_mod.GroupedMLPFunction.forward
+
+    def spy(ctx, x, index, weights, glu, meta, output_unused, *tensors):
+        flags.append(output_unused)
+        return real(ctx, x, index, weights, glu, meta, output_unused, *tensors)
+
+    monkeypatch.setattr(grouped_mlp_mod.GroupedMLPFunction, "forward", staticmethod(spy))
+    return flags
