@@ -21,6 +21,11 @@ experts are held in NF4 (``moe_nf4.py``, QLoRA): then the grouped path serves th
 the experts the step's tokens hit (dequantised alone), and a call that does go stock gets the
 dequantised weights as dense parameters for that call.
 
+Under checkpointing the experts' output only enters the residual sum, so a recompute runs their
+gate/up product alone (what their backward needs: ``grouped_mlp(..., output_unused=True)``); with
+``FastConfig.experts_stash`` an offloaded layer's experts keep what they save in host memory and the
+recompute never reaches them (``attention_stash.py``).
+
 What the row and the module must agree on is checked at patch time (``check_experts``): the
 parameter shapes and layout, the biases, and the activation — probed on the module itself
 (``_apply_gate`` where transformers has it, else ``act_fn``), so a module that computes something
@@ -246,6 +251,7 @@ class FastExpertsForward(PatchedForward):
             hit = hit_experts(index, specs) if stock_is_faster(x) else None  # a decode step: its experts only
             if hit is not None:
                 index, specs = hit
+
         def core():
             return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu,
                                output_unused=self.skip_unused and recomputing()), None
