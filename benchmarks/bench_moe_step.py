@@ -1,10 +1,11 @@
-"""One LoRA training step on a Qwen3-30B-A3B shape: fasttune vs stock HF+PEFT and Unsloth (H200).
+"""One LoRA training step on a Qwen3-30B-A3B (or gpt-oss-20b) shape: fasttune vs stock HF+PEFT and Unsloth (H200).
 
 Model: random-init Qwen3-MoE with Qwen3-30B-A3B's widths (hidden 2048, 32 query / 4 KV heads of
 128, 128 experts, top-8, expert intermediate 768, V = 151,936) and ``--layers`` decoder layers (48
 in the real model; the per-layer work is identical, so a few layers show the ratio: the default 8
 keeps the random weights ~10 GB, which Unsloth must load from a checkpoint written to
-``--ckpt-dir``). bf16 weights, bf16 autocast, AdamW on the adapters, checkpointing on
+``--ckpt-dir``). ``--model gpt-oss-20b``: its widths instead (24 layers in the real model; 32 experts, top-4,
+clamped SwiGLU with biases, sinks; stock runs eager attention, transformers having no SDPA path for sinks). bf16 weights, bf16 autocast, AdamW on the adapters, checkpointing on
 (HF's non-reentrant for hf, fasttune's ``--checkpointing`` (offload), Unsloth's own).
 
 LoRA r=16, alpha 16 (``--lora``):
@@ -34,6 +35,7 @@ Usage (H200, repo root, peers' wheels as for bench_step.py):
     python3 benchmarks/bench_moe_step.py --layers 8 --lora attention --stacks hf,fasttune
     python3 benchmarks/bench_moe_step.py --layers 8 --stacks fasttune,unsloth --profile fasttune,unsloth
     python3 benchmarks/bench_moe_step.py --layers 8 --weights nf4 --stacks hf,fasttune   # QLoRA, NF4 experts
+    python3 benchmarks/bench_moe_step.py --layers 8 --model gpt-oss-20b
     python3 benchmarks/bench_moe_step.py --smoke     # tiny model on CPU (interpreter) or GPU: checks the script
 """
 
@@ -60,25 +62,45 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
                      use_cache=False, output_router_logits=False, router_aux_loss_coef=0.001,
                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
-SMOKE = dict(QWEN3_30B_A3B, vocab_size=1031, hidden_size=128, moe_intermediate_size=64, num_experts=8,
-             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+# gpt-oss-20b: 24 layers alternating 128-token sliding and full attention with sinks, 64/8 heads of 64, 32 experts,
+# top-4, expert intermediate 2880, clamped SwiGLU with biases, YaRN RoPE; transformers has no SDPA path for its
+# sinks, so stock runs eager attention.
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                   num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+                   max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0,
+                   rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                        original_max_position_embeddings=4096, rope_theta=150000.0),
+                   tie_word_embeddings=False, use_cache=False, output_router_logits=False, router_aux_loss_coef=0.9,
+                   pad_token_id=199999, eos_token_id=200002)
+MODELS = {"qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B, "sdpa"), "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "eager")}
+SMOKE = {"qwen3-30b-a3b": dict(QWEN3_30B_A3B, vocab_size=1031, hidden_size=128, moe_intermediate_size=64,
+                               num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32),
+         "gpt-oss-20b": dict(GPT_OSS_20B, vocab_size=1031, hidden_size=128, intermediate_size=64, num_local_experts=8,
+                             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             sliding_window=16, pad_token_id=3, eos_token_id=2)}
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 STACKS = ("hf", "fasttune", "unsloth")
 
 
 def shape_of(args) -> dict:
-    return dict(SMOKE if args.smoke else QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    shape = dict(SMOKE[args.model] if args.smoke else MODELS[args.model][1], num_hidden_layers=args.layers)
+    if args.model == "gpt-oss-20b":
+        shape["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)]
+    return shape
 
 
 def build(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3_moe", **shape_of(args))
+    model_type, _, attention = MODELS[args.model]
+    attention = args.attention or attention
+    config = AutoConfig.for_model(model_type, **shape_of(args))
     torch.manual_seed(0)
     dtype = torch.bfloat16 if common.device() == "cuda" else torch.float32
     with torch.device(common.device()):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     model.requires_grad_(False)
     return model
 
@@ -218,7 +240,7 @@ def run_stack(stack: str, args, log) -> list[dict]:
     if args.deadline_at - time.time() < 30:
         return [dict(r, error="skipped: time budget") for r in expected]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--deadline-at", str(args.deadline_at),
-           "--stacks", ",".join(args.stacks), "--layers", str(args.layers), "--lora", args.lora,
+           "--stacks", ",".join(args.stacks), "--model", args.model, "--attention", args.attention or "", "--layers", str(args.layers), "--lora", args.lora,
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
            "--weights", args.weights, "--experts-nf4", args.experts_nf4,
@@ -270,7 +292,11 @@ def table(rows: list[dict], args) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated subset of " + ", ".join(STACKS))
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (Qwen3-30B-A3B has 48; default 8)")
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS), help="the shape (random init)")
+    p.add_argument("--attention", default="", help="attn_implementation of the hf and fasttune models (default: "
+                   "sdpa for Qwen3-MoE, eager for gpt-oss; flex_attention runs gpt-oss's sinks compiled)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (Qwen3-30B-A3B has 48, gpt-oss-20b 24; default 8)")
     p.add_argument("--lora", default="experts", choices=("experts", "attention"),
                    help="LoRA on attention and the experts, or on attention only (experts frozen)")
     p.add_argument("--weights", default="bf16", choices=("bf16", "nf4"),
@@ -306,7 +332,7 @@ def parse_args(argv=None):
     if args.smoke and args.shapes == [(4, 2048)]:
         args.shapes, args.steps, args.warmup = [(1, 64)], min(args.steps, 1), min(args.warmup, 1)
     if args.ckpt_dir is None:
-        args.ckpt_dir = f"/tmp/fasttune_bench_moe_{'smoke' if args.smoke else 'qwen3_30b_a3b'}_{args.layers}l"
+        args.ckpt_dir = f"/tmp/fasttune_bench_moe_{'smoke_' if args.smoke else ''}{args.model}_{args.layers}l"
     return args
 
 
@@ -324,14 +350,15 @@ def main(argv=None) -> None:
 
     info = common.versions()
     log(" ".join(f"{k}={v}" for k, v in info.items()) + f" layers={args.layers} lora={args.lora} "
-        f"weights={args.weights} experts_nf4={args.experts_nf4} stash={','.join(args.stash) or 'none'}")
+        f"model={args.model} attention={args.attention or MODELS[args.model][2]} weights={args.weights} experts_nf4={args.experts_nf4} stash={','.join(args.stash) or 'none'}")
     rows = []
     for stack in args.stacks:
         rows += run_stack(stack, args, log)
     print("\n" + table(rows, args) + f"\n\ntotal {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"versions": info, "layers": args.layers, "lora": args.lora, "weights": args.weights,
+            json.dump({"versions": info, "model": args.model, "attention": args.attention or MODELS[args.model][2],
+                       "layers": args.layers, "lora": args.lora, "weights": args.weights,
                        "experts_nf4": args.experts_nf4, "stash": args.stash, "rows": rows}, f, indent=1)
 
 

@@ -85,6 +85,12 @@ class FastConfig:
     return_logits: bool = field(default=False, metadata={
         "help": "Also return logits from a training forward with labels (costs the [tokens, vocab] memory)."})
 
+    flex_sinks: bool = field(default=True, metadata={
+        "help": "Attention with sinks (gpt-oss) on CUDA: switch a model running eager attention to compiled flex "
+                "attention (set_attn_implementation('flex_attention'), undone by unpatch_model) with the sinks "
+                "folded in by a float32 rescale of each row; transformers has no SDPA path for sinks and its eager "
+                "one materialises every [heads, seq, seq] score matrix."})
+
     # --- checkpointing -------------------------------------------------------------------
     checkpointing: str | None = field(default=None, metadata={
         "help": "Decoder-layer activation checkpointing: None (off), 'recompute', 'offload' (layer "

@@ -147,13 +147,16 @@ def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
 
 
 @pytest.mark.slow
-def test_bench_moe_step_smoke(tmp_path):
-    """The Qwen3-30B-A3B MoE step script: hf and fasttune rows with LoRA on the experts, the same
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_bench_moe_step_smoke(tmp_path, model):
+    """The MoE step script on both shapes: hf and fasttune rows with LoRA on the experts, the same
     step-1 loss (B = 0), every MoE call fused, one RESULT line per stack."""
     out = tmp_path / "moe.json"
-    stdout = _run(["benchmarks/bench_moe_step.py", "--smoke", "--stacks", "hf,fasttune", "--layers", "1",
-                   "--ckpt-dir", "", "--out", str(out)], 900)
-    rows = json.loads(out.read_text())["rows"]
+    stdout = _run(["benchmarks/bench_moe_step.py", "--smoke", "--model", model, "--stacks", "hf,fasttune",
+                   "--layers", "2", "--ckpt-dir", "", "--out", str(out)], 900)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["model"] == model and result["layers"] == 2, result
     assert [r["stack"] for r in rows] == ["hf", "fasttune"] and all("tokens_per_s" in r for r in rows), rows
     assert abs(rows[0]["loss_step1"] - rows[1]["loss_step1"]) <= 1e-3, rows
     assert rows[1]["calls"] and all(k.endswith("/fused") for k in rows[1]["calls"]), rows

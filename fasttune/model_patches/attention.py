@@ -34,10 +34,12 @@ from ..config import FastConfig
 from . import attention_stash
 from .families import FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, few_rows_without_grad, stock_forward, swap_forward
-from .report import PatchReport
+from .report import FUSED, PatchReport
+from .sink_attention import FLEX, flex_sinks_unavailable, sink_flex_attention
 
 OP_ROPE = "rope"
 OP_HOOK = "attention_hook"  # installed for the LoRA hooks only (config.rope off)
+OP_SINKS = "flex_sinks"  # attention with sinks through flex attention (sink_attention.py)
 ATTENTION_ATTR = "self_attn"  # the decoder layer's attention child, in every family of the table
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COMMON_ATTRS = ("config", "head_dim", "scaling", "num_key_value_groups", "is_causal", "layer_idx",
@@ -90,8 +92,9 @@ class FastAttentionForward(PatchedForward):
     op = OP_ROPE
 
     def __init__(self, module: nn.Module, stock, spec: FamilySpec, *, eager: Callable, stock_rope: Callable | None,
-                 functions, cache_kwargs: bool, use_rope_kernel: bool):
+                 functions, cache_kwargs: bool, use_rope_kernel: bool, flex_sinks: bool = False):
         super().__init__(module, stock)
+        self.flex_sinks = flex_sinks  # the sinks through sink_flex_attention when the model runs flex
         self.project_qkv: Callable = project_qkv_fused if spec.qkv_layout == "fused" else project_qkv_separate
         self.project_o: Callable = project_o
         self.use_rope_kernel = use_rope_kernel
@@ -184,7 +187,7 @@ class FastAttentionForward(PatchedForward):
             else:
                 k, v = cache.update(k, v, m.layer_idx)
 
-        interface = attention_interface(self.functions, m.config._attn_implementation, self.eager)
+        interface = self._interface(m, q, attention_mask)
         attn_output, attn_weights = interface(
             m, q, k, v, attention_mask,
             dropout=m.attention_dropout if m.training else 0.0,
@@ -193,6 +196,83 @@ class FastAttentionForward(PatchedForward):
             **kwargs,
         )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
+
+
+    def _interface(self, m, q, attention_mask) -> Callable:
+        """The attention function of this call: ``sink_flex_attention`` for a family with sinks on the
+        flex path (counted as ``flex_sinks``), else the one transformers selects."""
+        implementation = m.config._attn_implementation
+        if self.flex_sinks:
+            why = _why_not_sink_flex(implementation, q, attention_mask)
+            self.calls[OP_SINKS, why or FUSED] += 1
+            if why is None:
+                return sink_flex_attention
+        return attention_interface(self.functions, implementation, self.eager)
+
+
+def _why_not_sink_flex(implementation, q, attention_mask) -> str | None:
+    if implementation != FLEX:
+        return f"attn_implementation is {implementation!r}"
+    if not q.is_cuda:
+        return "not on CUDA"
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(attention_mask, BlockMask):
+        return f"the mask is a {type(attention_mask).__name__}, not a flex BlockMask"
+    return None
+
+
+def _device_type(base: nn.Module) -> str | None:
+    param = next(iter(base.parameters()), None)
+    return None if param is None else param.device.type
+
+
+def use_flex_for_sinks(base: nn.Module, spec: FamilySpec, config: FastConfig, report: PatchReport) -> bool:
+    """For a family with attention sinks: switch a model that runs eager attention to flex attention
+    (``sink_attention.py`` says why), undone by ``report.undo()``. Returns whether the model now runs
+    flex attention, whose sink layers then go through ``sink_flex_attention``.
+
+    A model on the CPU of a machine without CUDA stays eager without a fallback line (flex attention
+    cannot train there, and nothing is left to act on); on a CUDA machine the line says to move it."""
+    if not config.flex_sinks or not any(name == "s_aux" for name, _ in spec.attention_kwargs):
+        return False
+    current = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if current == FLEX:
+        return True
+    device = _device_type(base)
+    if current not in (None, "eager"):
+        why = f"attn_implementation is {current!r} (kept)"
+    elif device != "cuda":
+        if not torch.cuda.is_available():
+            return False
+        why = f"the model is on {device}: move it to CUDA before patching for flex attention"
+    elif base.training and getattr(base.config, "attention_dropout", 0.0):
+        why = f"attention_dropout={base.config.attention_dropout} (flex attention has none)"
+    elif not callable(getattr(base, "set_attn_implementation", None)):
+        why = "this transformers version has no set_attn_implementation"
+    else:
+        why = flex_sinks_unavailable()
+    if why is None:
+        try:
+            base.set_attn_implementation(FLEX)
+        except (ValueError, ImportError) as err:
+            why = f"set_attn_implementation('flex_attention') refused: {err}"
+    if why is not None:
+        report.fallback(OP_SINKS, spec.model_type, why)
+        return False
+    report.on_undo(_RestoreAttention(base, current or "eager"))
+    return True
+
+
+class _RestoreAttention:
+    """Sets the attention implementation back. An object, not a closure, so that ``copy.deepcopy``
+    of a patched model (TRL's reference model) restores the copy, not the original."""
+
+    def __init__(self, base: nn.Module, implementation: str):
+        self.base, self.implementation = base, implementation
+
+    def __call__(self) -> None:
+        self.base.set_attn_implementation(self.implementation)
 
 
 def _rope_fits(q, k, cos, sin) -> bool:
@@ -281,6 +361,7 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
         report.fallback(op, spec.model_type, f"{spec.modeling_module} has no eager_attention_forward / "
                         "apply_rotary_pos_emb in this transformers version")
         return
+    flex_sinks = use_flex_for_sinks(base, spec, config, report)
     layer_cls = classes.get("decoder_layer_class")
     for name, module in base.named_modules():
         if layer_cls is not None and type(module) is layer_cls:
@@ -297,9 +378,11 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
         stock = stock_forward(module)
         cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
         fwd = FastAttentionForward(module, stock, spec, eager=eager, stock_rope=stock_rope, functions=functions,
-                                   cache_kwargs=cache_kwargs, use_rope_kernel=config.rope)
+                                   cache_kwargs=cache_kwargs, use_rope_kernel=config.rope, flex_sinks=flex_sinks)
         swap_forward(module, fwd, report)
         report.add(op, counted=config.rope)  # the LoRA hook points alone run no kernel of their own
+        if flex_sinks:
+            report.add(OP_SINKS, counted=True)
 
 
 def attention_forward(module: nn.Module) -> FastAttentionForward | None:
@@ -309,4 +392,4 @@ def attention_forward(module: nn.Module) -> FastAttentionForward | None:
 
 
 __all__ = ["FastAttentionForward", "attention_forward", "attention_interface", "check_attention", "float_dtype",
-           "patch_attention", "project_o", "project_qkv_fused", "project_qkv_separate"]
+           "patch_attention", "use_flex_for_sinks", "project_o", "project_qkv_fused", "project_qkv_separate"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
@@ -38,13 +39,24 @@ class PoisonAllocations(TorchDispatchMode):
     """Fill each fresh uninitialised allocation made while active with 0xFF bytes (NaN).
 
     ``count`` says how many allocations were poisoned, so a test can check the mode saw the path.
+    Higher-order operators (flex attention, which gpt-oss runs on CUDA) pass through, their insides
+    unpoisoned; torch.compile compiles as if the mode were off (``ignore_compile_internals``), so
+    its kernels run instead of an eager fallback that torch refuses under a dispatch mode.
     """
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
         self.count = 0
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if func in UNINITIALISED and isinstance(out, torch.Tensor) and out.numel() \
                 and out.dtype != torch.bool and out.device.type != "meta":

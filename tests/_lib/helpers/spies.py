@@ -7,6 +7,7 @@ from collections import Counter
 from fasttune.kernels import grouped_mlp as grouped_mlp_mod
 from fasttune.model_patches import lora as lora_mod
 from fasttune.model_patches.allocator import OP as ALLOCATOR_OP
+from fasttune.model_patches.attention import OP_SINKS
 
 
 def count_fused_lora(monkeypatch) -> Counter:
@@ -24,9 +25,10 @@ def count_fused_lora(monkeypatch) -> Counter:
 
 
 def model_patch_counts(report) -> dict[str, int]:
-    """``report.patched`` without the CUDA allocator switch, which only a CUDA machine reports
-    (test_allocator.py tests it): the model's own patches, the same on CPU and GPU."""
-    return {op: n for op, n in report.patched.items() if op != ALLOCATOR_OP}
+    """``report.patched`` without the switches only a CUDA machine makes (the allocator's, tested by
+    test_allocator.py; gpt-oss's flex attention, by test_sink_attention.py): the model's own patches,
+    the same on CPU and GPU."""
+    return {op: n for op, n in report.patched.items() if op not in (ALLOCATOR_OP, OP_SINKS)}
 
 
 def grouped_mlp_output_unused(monkeypatch) -> list[bool]:
