@@ -66,6 +66,8 @@ def _assert_same(got, ref):
     assert not bad, f"gradients differ bitwise: {bad[:4]}"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the Triton path's Function calls; on a CUDA machine "
+                    "these CPU tensors take the reference path (the interpreter is on only without CUDA)")
 @pytest.mark.parametrize("model_type,lora", [("qwen3_moe", True), ("gpt_oss", True), ("mixtral", False)])
 def test_bitwise_equal_to_no_checkpointing_and_the_experts_are_not_recomputed(model_type, lora, monkeypatch):
     """LoRA on the experts (Qwen3-MoE; gpt-oss's transposed weights with biases) and full fine-tuning

@@ -18,7 +18,7 @@ from fasttune.model_patches import attention as attention_mod
 from fasttune.model_patches.attention import OP_SINKS
 from fasttune.model_patches.report import FUSED
 from fasttune.model_patches.sink_attention import FLEX, renormalize_by_sinks
-from helpers.compare import assert_grads_close, grad_errors, rel_err
+from helpers.compare import assert_grads_close, rel_err
 from helpers.tiny_models import make_batch, tiny_model
 
 HAS_CUDA = torch.cuda.is_available()
@@ -154,30 +154,55 @@ def test_gpt_oss_on_flex_matches_eager_stock(checkpointing):
 
 
 @pytest.mark.gpu
-def test_gpt_oss_on_flex_bf16_at_least_as_close_to_fp32_as_stock():
-    """bf16: the flex run's loss and gradients at most 2× stock bf16's distance from fp32 (+ 1e-2)."""
-    ref = tiny_model("gpt_oss", seed=5, output_router_logits=False).to("cuda")
-    ref.requires_grad_(True)
-    stock = copy.deepcopy(ref).to(torch.bfloat16)
-    fast = copy.deepcopy(stock)
-    patch_model(fast, FastConfig())
-    assert fast.config._attn_implementation == FLEX
-    batch = make_batch(ref.config.vocab_size, batch=2, seq=150, seed=6, device="cuda")
-    losses = []
-    for m in (ref, stock, fast):
-        m.train()
-        losses.append(_step(m, batch).loss)
-    assert rel_err(losses[2], losses[0]) <= 2 * rel_err(losses[1], losses[0]) + 1e-2
-    stock_err, fast_err = grad_errors(stock, ref), grad_errors(fast, ref)
-    bad = {n: (fast_err[n], stock_err[n]) for n in stock_err if not fast_err[n] <= 2 * stock_err[n] + 1e-2}
-    assert not bad, f"{len(bad)} gradients farther from fp32 than 2× stock bf16 + 1e-2: {dict(list(bad.items())[:5])}"
+def test_sink_flex_attention_bf16_at_least_as_close_to_float64_as_eager():
+    """bf16, the attention op alone (sliding window, GQA, two flex blocks): sink_flex_attention's output
+    and its q/k/v/sink gradients at most 2× gpt-oss's eager bf16 distance from float64 (+ 1e-3).
+
+    (End to end, a tiny bf16 gpt-oss is no criterion: its top-2 of 4 experts flip on rounding noise. On
+    the CPU, a flex-like rounding of the attention alone, more precise than eager's bf16 softmax, put
+    two expert gradients 5.9% from fp32 where stock's were 1.7%, for one of three seeds.)"""
+    from types import SimpleNamespace
+
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from fasttune.model_patches.sink_attention import sink_flex_attention
+
+    torch.manual_seed(0)
+    b, hq, hkv, s, d, window = 2, 8, 2, 300, 64, 128
+    leaves = [torch.randn(b, h, s, d, dtype=torch.float64, device="cuda") for h in (hq, hkv, hkv)]
+    leaves.append(torch.randn(hq, dtype=torch.float64, device="cuda"))
+    keep = _mask(s, window).cuda()
+    dout = torch.randn(b, s, hq, d, dtype=torch.float64, device="cuda")
+
+    ref_in = [t.clone().requires_grad_() for t in leaves]
+    rep = hq // hkv
+    ref = _eager_with_sinks(ref_in[0] * d ** -0.5, ref_in[1].repeat_interleave(rep, 1),
+                            ref_in[2].repeat_interleave(rep, 1), ref_in[3], keep).transpose(1, 2)
+    ref.backward(dout)
+
+    def run(fn):
+        xs = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+        module = SimpleNamespace(training=True, num_key_value_groups=rep, sinks=xs[3])
+        out = fn(module, *xs)
+        out.backward(dout.to(out.dtype))
+        return [out] + [x.grad for x in xs]
+
+    block = create_block_mask(lambda b_, h_, qi, ki: (ki <= qi) & (qi - ki < window), None, None, s, s, device="cuda")
+    additive = torch.zeros(s, s, device="cuda").masked_fill(~keep, float("-inf")).to(torch.bfloat16)[None, None]
+    flex = run(lambda m, q, k, v, sk: sink_flex_attention(m, q, k, v, block, scaling=d ** -0.5, s_aux=sk)[0])
+    eager = run(lambda m, q, k, v, sk: eager_attention_forward(m, q, k, v, additive, scaling=d ** -0.5)[0])
+    want = [ref] + [t.grad for t in ref_in]
+    for name, f, e, r in zip(("out", "dq", "dk", "dv", "dsinks"), flex, eager, want):
+        assert rel_err(f, r) <= 2 * rel_err(e, r) + 1e-3, (name, rel_err(f, r), rel_err(e, r))
 
 
 @pytest.mark.gpu
 def test_gpt_oss_greedy_generation_on_flex_matches_eager_stock():
     """Prefill (fused, on flex) and cached decode steps (the stock forward, on transformers' flex path)
-    give stock eager's greedy tokens in fp32."""
-    stock = tiny_model("gpt_oss", seed=7).to("cuda")
+    give stock eager's greedy tokens in fp32. (No router logits: transformers 5.17's own gpt-oss
+    generate fails computing the auxiliary loss over the decode step's mask.)"""
+    stock = tiny_model("gpt_oss", seed=7, output_router_logits=False).to("cuda")
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     assert fast.config._attn_implementation == FLEX
