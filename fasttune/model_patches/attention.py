@@ -197,7 +197,6 @@ class FastAttentionForward(PatchedForward):
         )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
-
     def _interface(self, m, q, attention_mask) -> Callable:
         """The attention function of this call: ``sink_flex_attention`` for a family with sinks on the
         flex path (counted as ``flex_sinks``), else the one transformers selects."""
@@ -246,7 +245,7 @@ def use_flex_for_sinks(base: nn.Module, spec: FamilySpec, config: FastConfig, re
         if not torch.cuda.is_available():
             return False
         why = f"the model is on {device}: move it to CUDA before patching for flex attention"
-    elif base.training and getattr(base.config, "attention_dropout", 0.0):
+    elif getattr(base.config, "attention_dropout", 0.0):  # a model loaded in eval mode trains later
         why = f"attention_dropout={base.config.attention_dropout} (flex attention has none)"
     elif not callable(getattr(base, "set_attn_implementation", None)):
         why = "this transformers version has no set_attn_implementation"
