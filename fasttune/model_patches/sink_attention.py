@@ -52,30 +52,22 @@ def flex_sinks_unavailable() -> str | None:
     return None
 
 
-def _lse_kwargs() -> dict:
-    """Ask flex attention for its lse: ``return_aux`` since torch 2.9, ``return_lse`` before."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return {"return_lse": True}
-    return {"return_aux": AuxRequest(lse=True)}
-
-
 def sink_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, s_aux=None,
                         **kwargs):
     """An attention interface (transformers' signature): flex attention over ``attention_mask`` (a
     BlockMask), then the sinks ``s_aux`` [H] folded in by ``renormalize_by_sinks``.
 
     Returns (output [B, S, H, D], None), as transformers' attention functions do."""
-    from transformers.integrations.flex_attention import compile_friendly_flex_attention
+    from transformers.integrations.flex_attention import (compile_friendly_flex_attention,
+                                                          get_flex_attention_lse_kwargs)
 
     if dropout:
         raise ValueError(f"sink_flex_attention: flex attention has no attention dropout (dropout={dropout})")
     heads, kv_heads = query.shape[1], key.shape[1]
-    result = compile_friendly_flex_attention(query, key, value, block_mask=attention_mask,
-                                             enable_gqa=heads != kv_heads, scale=scaling,
-                                             training=module.training, **_lse_kwargs())
-    out, aux = result
+    # return_aux=AuxRequest(lse=True) since torch 2.9 (an object holding lse), return_lse=True before (lse itself)
+    out, aux = compile_friendly_flex_attention(query, key, value, block_mask=attention_mask,
+                                               enable_gqa=heads != kv_heads, scale=scaling,
+                                               training=module.training, **get_flex_attention_lse_kwargs(True))
     lse = getattr(aux, "lse", aux)
     if s_aux is not None:
         out = renormalize_by_sinks(out, lse, s_aux)
