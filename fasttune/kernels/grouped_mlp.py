@@ -21,6 +21,11 @@ Backward, dY_i = dout[t_i] (a gather):
   dW_d[e] = dY_eᵀ H'_e,  dW_gu[e] = dGU_eᵀ x_e  (grouped_mm_wgrad; transposed layouts swap operands);
   dA = s·(dY B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
 
+Widened weights (``moe_wide.WideExperts``, a projection's ``wide``): in forward the rank-r term
+rides in the base product, y = [z | s·z Aᵀ | 0] [W | B | 0]ᵀ (one fp32 accumulation of base and
+rank-r terms); x is gathered from [x | 0] and the GLU writes H into the down projection's widened
+input. The backward keeps separate products (a strided dz would cost more than it saves).
+
 Saved between forward and backward: GU [S, 2I] (its buffer receives dGU), the routing indices and
 the gate/up projection's rank-r product s·(x[t] Aᵀ) [S, r]; x[t], H' and the down projection's
 rank-r product are recomputed (x itself is the caller's; H' does not exist in a recompute that
@@ -60,9 +65,13 @@ def _as_kn(p_weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 class _Proj:
-    """One projection inside the Function: its tensors in the compute dtype and its layout."""
+    """One projection inside the Function: its tensors in the compute dtype and its layout.
 
-    def __init__(self, weight, bias, lora_a, lora_b, scaling, transposed, dtype):
+    ``wide`` (``moe_wide.WideExperts``): the weight lives in a buffer with spare rank columns; used
+    when it still holds the weight (no cast, no re-homing since) and its tail fits the adapter. Then
+    the rows' input is widened ([z | s·z Aᵀ | 0]) and the rank-r term rides in the base product."""
+
+    def __init__(self, weight, bias, lora_a, lora_b, scaling, transposed, wide, dtype):
         self.weight = _dense(weight, dtype)
         self.bias = None if bias is None else bias.to(dtype)
         # Contiguous copies of the (small) adapters: PEFT's B arrives as a strided view [E, out, r]
@@ -71,34 +80,67 @@ class _Proj:
         self.b = None if lora_b is None else lora_b.to(dtype).contiguous()
         self.scaling = float(scaling)
         self.transposed = transposed
+        fits = wide is not None and wide.holds(self.weight) and (self.a is None or self.a.shape[1] <= wide.extra)
+        self.wide = wide if fits else None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1 if self.transposed else 2]
+
+    def widened_input(self, rows: int, device) -> torch.Tensor | None:
+        """A [rows, in + R] input buffer with a zero tail (None: not widened); its first ``in``
+        columns are the caller's to fill (by a kernel that takes a row stride) before ``forward``."""
+        if self.wide is None:
+            return None
+        z = torch.empty(rows, self.in_features + self.wide.extra, dtype=self.weight.dtype, device=device)
+        z[:, self.in_features:].zero_()
+        return z
 
     def rank_input(self, z, offs):
         """s · z Aₑᵀ [rows, r]."""
         return grouped_mm(z, self.a.transpose(1, 2), offs).mul_(self.scaling)
 
     def forward(self, z, offs, expert, row_weight=None):
-        """(y, s · z Aᵀ or None): the rows' output and the rank-r product (dB needs it again)."""
-        y = grouped_mm(z, _as_kn(self.weight, self.transposed), offs)
+        """(y, s · z Aᵀ or None): the rows' output and the rank-r product (dB needs it again).
+        ``z``: [rows, in], or the ``widened_input`` buffer when widened."""
         rank = None
-        if self.a is not None:
-            rank = self.rank_input(z, offs)
-            y.add_(grouped_mm(rank, self.b.transpose(1, 2), offs))
+        if self.wide is not None:
+            n_in = self.in_features
+            if self.a is not None:
+                rank = self.rank_input(z[:, :n_in], offs)
+                z[:, n_in:n_in + rank.shape[1]].copy_(rank)
+            self.wide.load(self.b)
+            y = grouped_mm(z, self.wide.kn(), offs)
+        else:
+            y = grouped_mm(z, _as_kn(self.weight, self.transposed), offs)
+            if self.a is not None:
+                rank = self.rank_input(z, offs)
+                y.add_(grouped_mm(rank, self.b.transpose(1, 2), offs))
         if self.bias is not None:
             b = self.bias[expert]
             y.add_(b if row_weight is None else b * row_weight[:, None].to(b.dtype))
         return y, rank
 
+    def grad_input(self, dy, offs):
+        """(dz [rows, in], s · dY Bₑ [rows, r] or None). Not widened: [dY W | dY B] from the widened
+        buffer would leave dz a strided column view, and the add of the rank-r term and every later
+        pass over a strided dz cost more than the separate dY B product saves."""
+        dz = grouped_mm(dy, _as_kn(self.weight, self.transposed).transpose(1, 2), offs)
+        if self.a is None:
+            return dz, None
+        dyb = grouped_mm(dy, self.b, offs).mul_(self.scaling)
+        dz.add_(grouped_mm(dyb, self.a, offs))
+        return dz, dyb
+
     def backward(self, z, dy, offs, needs, rank=None):
         """(dz, dweight, dA, dB): dz of the rows, and the parameter gradients asked for by ``needs``
         (weight, lora_a, lora_b); ``rank``: the forward's s · z Aᵀ, recomputed when not given."""
         E = self.weight.shape[0]
-        dz = grouped_mm(dy, _as_kn(self.weight, self.transposed).transpose(1, 2), offs)
+        dz, dyb = self.grad_input(dy, offs)
         dw = da = db = None
         if needs[0]:
             dw = grouped_mm_wgrad(z, dy, offs, E) if self.transposed else grouped_mm_wgrad(dy, z, offs, E)
         if self.a is not None:
-            dyb = grouped_mm(dy, self.b, offs).mul_(self.scaling)  # s · dY Bₑ [rows, r]
-            dz.add_(grouped_mm(dyb, self.a, offs))
             if needs[1]:
                 da = grouped_mm_wgrad(dyb, z, offs, E)
             if needs[2]:
@@ -129,14 +171,21 @@ class GroupedMLPFunction(torch.autograd.Function):
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         w = top_k_weights.reshape(-1)[perm]
-        xs = x.to(dtype)[token]
+        if gu_p.wide is None:
+            xs = x.to(dtype)[token]
+        else:  # [x | 0] by a concatenation (a contiguous write), then the gather copies the zero tail along
+            xs = torch.cat((x.to(dtype), x.new_zeros(T, gu_p.wide.extra, dtype=dtype)), 1)[token]
         gate_up, gu_rank = gu_p.forward(xs, offs, expert)
         del xs, gu_p
         if output_unused:  # a discarded recompute: backward needs gate_up alone; NaNs, so a use shows
             out = torch.full_like(x, float("nan"))
         else:
-            h = moe_glu(gate_up, w, glu)
             d_p = _Proj(*tensors[_FIELDS:], *meta[1], dtype)
+            h = d_p.widened_input(gate_up.shape[0], x.device)  # the GLU writes H into its first I columns
+            if h is None:
+                h = moe_glu(gate_up, w, glu)
+            else:
+                moe_glu(gate_up, w, glu, out=h[:, : d_p.in_features])
             y, _ = d_p.forward(h, offs, expert, row_weight=w)
             del d_p, h
             out = combine_rows(y, inverse, k, x.dtype)
@@ -160,10 +209,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         d_needs = (t_needs[4], t_needs[6], t_needs[7])
 
         dy = dout.to(dtype)[token]  # [S, H]
-        dh = grouped_mm(dy, _as_kn(d_p.weight, d_p.transposed).transpose(1, 2), offs)
-        if d_p.a is not None:
-            dyb = grouped_mm(dy, d_p.b, offs).mul_(d_p.scaling)
-            dh.add_(grouped_mm(dyb, d_p.a, offs))
+        dh, dyb = d_p.grad_input(dy, offs)
         dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
         del dh
         # The down projection's parameter gradients (its dz, dh, is already computed above).
@@ -256,5 +302,5 @@ def grouped_mlp(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
         gate_up, down = (p._replace(weight=p.weight.dequantize()) if isinstance(p.weight, NF4Weight) else p
                          for p in (gate_up, down))
         return reference.grouped_mlp(x, top_k_index, top_k_weights, gate_up, down, glu)
-    meta = ((gate_up.scaling, gate_up.transposed), (down.scaling, down.transposed))
+    meta = tuple((p.scaling, p.transposed, p.wide) for p in (gate_up, down))
     return GroupedMLPFunction.apply(x, top_k_index, top_k_weights, glu, meta, bool(output_unused), *tensors)

@@ -180,7 +180,8 @@ def _tiles(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int]:
     return (cdiv(n_rows, rows),), rows, block
 
 
-def moe_glu(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU = ExpertGLU()) -> torch.Tensor:
+def moe_glu(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU = ExpertGLU(),
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """h = weights[:, None] · a(gate) · up (module docstring), [S, I] in gate_up's dtype. Not
     differentiable by itself (``grouped_mlp``'s Function calls ``moe_glu_backward``).
 
@@ -188,12 +189,19 @@ def moe_glu(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU 
         gate_up: [S, 2I] float32/float16/bfloat16, unit column stride.
         weights: [S] router weight per row, or None (weight 1).
         glu: the activation and layout (``moe_reference.ExpertGLU``).
+        out: [S, I] of gate_up's dtype with unit column stride to write h into (any row stride:
+            the columns of a wider buffer), or None.
     """
     _check(gate_up, weights, glu)
-    if not use_triton(gate_up, weights):
-        return reference.moe_glu(gate_up, weights, glu)
     S, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
-    h = torch.empty(S, n_cols, dtype=gate_up.dtype, device=gate_up.device)  # every element stored
+    if out is not None and (out.shape != (S, n_cols) or out.stride(-1) != 1 or out.dtype != gate_up.dtype
+                            or out.device != gate_up.device):
+        raise ValueError(f"out must be [{S}, {n_cols}] {gate_up.dtype} on {gate_up.device} with unit column stride, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if not use_triton(gate_up, weights):
+        h = reference.moe_glu(gate_up, weights, glu)
+        return h if out is None else out.copy_(h)
+    h = torch.empty(S, n_cols, dtype=gate_up.dtype, device=gate_up.device) if out is None else out  # all stored
     if h.numel():
         grid, rows, block = _tiles(S, n_cols)
         _moe_glu_fwd_kernel[grid](

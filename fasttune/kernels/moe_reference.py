@@ -48,6 +48,8 @@ class ExpertProjection(NamedTuple):
         lora_b: [E, out, r] or None.
         scaling: the adapter's scale s (output += s · (x Aₑᵀ) Bₑᵀ).
         transposed: layout of ``weight``.
+        wide: a ``moe_wide.WideExperts`` holding ``weight`` with spare rank columns, or None (the
+            fused path folds the LoRA term into the base product; the math is the same).
     """
 
     weight: torch.Tensor
@@ -56,6 +58,7 @@ class ExpertProjection(NamedTuple):
     lora_b: torch.Tensor | None = None
     scaling: float = 1.0
     transposed: bool = False
+    wide: object = None
 
     @property
     def num_experts(self) -> int:

@@ -30,7 +30,7 @@ from ..kernels.lora_wide import TAIL_MULTIPLE, WideWeight
 from .module_attr import base_layer_of, module_attr
 from .zero3 import is_zero3_param
 
-__all__ = ["WIDE_ATTR", "widen_group", "unwiden", "wide_of"]
+__all__ = ["WIDE_ATTR", "owns_storage", "widen_group", "unwiden", "wide_of"]
 
 WIDE_ATTR = "_fasttune_wide"
 
@@ -47,7 +47,7 @@ def wide_of(layer: nn.Module, weight: torch.Tensor):
     return None
 
 
-def _owns_storage(weight: torch.Tensor) -> bool:
+def owns_storage(weight: torch.Tensor) -> bool:
     """A plain contiguous tensor that is the whole of its storage (not a view into a flat or
     all-gather buffer, not a tensor subclass such as FSDP2's DTensor)."""
     data = weight.data
@@ -59,7 +59,7 @@ def _can_widen(layer: nn.Module, base: BaseWeight, dtype: torch.dtype) -> bool:
     weight = module_attr(layer, "weight")
     return (isinstance(layer, nn.Linear) and isinstance(weight, nn.Parameter) and base.weight is weight
             and not base.is_nf4 and not base.is_fp8 and not weight.requires_grad and weight.dtype == dtype
-            and not is_zero3_param(weight) and (base.wide is not None or _owns_storage(weight)))
+            and not is_zero3_param(weight) and (base.wide is not None or owns_storage(weight)))
 
 
 def _widen(layer: nn.Module, extra: int) -> WideWeight:

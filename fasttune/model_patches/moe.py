@@ -21,6 +21,10 @@ experts are held in NF4 (``moe_nf4.py``, QLoRA): then the grouped path serves th
 the experts the step's tokens hit (dequantised alone), and a call that does go stock gets the
 dequantised weights as dense parameters for that call.
 
+With ``FastConfig.lora_widen`` the LoRA-wrapped expert weights are re-homed at the first fused
+call into buffers with room for B (``moe_widen.py``), so the rank-r term rides in the grouped
+products (``kernels/moe_wide.py``).
+
 Under checkpointing the experts' output only enters the residual sum, so a recompute runs their
 gate/up product alone (what their backward needs: ``grouped_mlp(..., output_unused=True)``); with
 ``FastConfig.experts_stash`` an offloaded layer's experts keep what they save in host memory and the
@@ -50,6 +54,7 @@ from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faste
 from .mlp import config_activation, probe_activation
 from .moe_nf4 import OP as OP_NF4
 from .moe_nf4 import dense_experts, hit_experts, holds_nf4, nf4_settings, quantize_experts
+from .moe_widen import UnwidenExperts, wide_experts
 from .report import FUSED, PatchReport
 
 OP = "moe"
@@ -186,13 +191,23 @@ def _adapter(wrapper: nn.Module):
     return lora_a, lora_b, float(wrapper.scaling[name])
 
 
+def _largest_rank(wrapper: nn.Module) -> int:
+    """The largest rank of the wrapper's adapters, active or not (0 for none)."""
+    E = getattr(wrapper, "num_experts", None)
+    if not isinstance(E, int) or E < 1:
+        return 0
+    return max((a.weight.shape[0] // E for a in wrapper.lora_A.values()), default=0)
+
+
 class FastExpertsForward(PatchedForward):
     """Replacement ``forward`` of a MoE block's ``experts`` child (module docstring)."""
 
     op = OP
 
-    def __init__(self, module: nn.Module, stock, experts: nn.Module, glu: ExpertGLU, spec: FamilySpec):
+    def __init__(self, module: nn.Module, stock, experts: nn.Module, glu: ExpertGLU, spec: FamilySpec,
+                 widen: bool = False):
         super().__init__(module, stock)
+        self.widen = widen  # re-home LoRA-wrapped expert weights with room for B (moe_widen.py)
         self.experts = experts
         self.glu = glu
         self.transposed = spec.experts_transposed
@@ -208,13 +223,14 @@ class FastExpertsForward(PatchedForward):
             return "the experts module was replaced since patching"
         if any(_hooked(m) for m in wrappers[1:] + ([experts] if wrappers else [])):
             return "forward hooks on a wrapped experts module (the fused path would skip them)"
-        adapters = {}
+        adapters, ranks = {}, {}
         for wrapper in wrappers:
             found = _adapter(wrapper)
             if isinstance(found, str):
                 return found
             if found is not None:
                 adapters[wrapper.parameter_name] = found
+            ranks[wrapper.parameter_name] = _largest_rank(wrapper)
         out = []
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(experts, name)
@@ -222,7 +238,12 @@ class FastExpertsForward(PatchedForward):
                 return f"{name} is partitioned or quantised ({weight.dtype}, {weight.numel()} values here)"
             lora = adapters.pop(name, (None, None, 1.0))
             bias = getattr(experts, f"{name}_bias") if self.bias else None
-            out.append(ExpertProjection(weight, bias, *lora, transposed=self.transposed))
+            # Widened for the largest adapter on it, whether active now or not: a pass with the adapters
+            # off (DPO's reference) runs the same widened product with a zero tail, bit for bit a fresh
+            # adapter's (B = 0) output.
+            wide = (wide_experts(experts, name, ranks[name], self.transposed)
+                    if self.widen and ranks.get(name) and not isinstance(weight, NF4Weight) else None)
+            out.append(ExpertProjection(weight, bias, *lora, transposed=self.transposed, wide=wide))
         if adapters:
             return f"LoRA on other expert parameters ({', '.join(adapters)})"
         for p in out:
@@ -308,6 +329,8 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
                         f"{spec.modeling_module}")
         return
     nf4 = nf4_settings(base, config)
+    if config.lora_widen:
+        report.on_undo(UnwidenExperts(base))  # runs after the forwards are restored (undo is last-in, first-out)
     if isinstance(nf4, str):
         report.fallback(OP_NF4, "experts", nf4)
     for name, block in base.named_modules():
@@ -325,7 +348,8 @@ def patch_moe(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
         if isinstance(glu, str):
             report.fallback(OP, f"{name}.{EXPERTS_ATTR}", glu)
             continue
-        swap_forward(outer, FastExpertsForward(outer, stock_forward(outer), experts, glu, spec), report)
+        widen = config.lora_widen and outer is not experts
+        swap_forward(outer, FastExpertsForward(outer, stock_forward(outer), experts, glu, spec, widen), report)
         report.add(OP, counted=True)
         if outer is not experts:  # PEFT LoRA on expert parameters: fused at each call where it qualifies
             report.add(OP_LORA, counted=True)

@@ -14,6 +14,7 @@ import torch
 from fasttune.kernels import grouped_mlp as grouped_mlp_mod
 from fasttune.kernels import moe_reference as reference
 from fasttune.kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
+from fasttune.kernels.moe_wide import WideExperts
 from fasttune.kernels.nf4_weight import NF4Weight
 from helpers.kernel_checks import check_in_norm
 
@@ -174,6 +175,84 @@ def test_output_unused_skips_down_but_keeps_every_gradient(device, name, monkeyp
         assert same, f"gradient {i} of {name}"
 
 
+def _widened(case, extra=R + 3):
+    """The case with both weights re-homed as views of ``WideExperts`` buffers (tails wider than the
+    rank: the padding columns must stay zero)."""
+    x, index, weights, gate_up, down, glu = case
+    out = []
+    for p in (gate_up, down):
+        n_in, n_out = p.in_features, p.out_features
+        shape = (E, n_in + extra, n_out) if p.transposed else (E, n_out, n_in + extra)
+        wide = WideExperts(torch.zeros(shape, dtype=p.weight.dtype, device=p.weight.device), n_in, p.transposed)
+        wide.weight_view().copy_(p.weight.detach())
+        w = wide.weight_view().detach().requires_grad_(p.weight.requires_grad)  # a leaf that is the view
+        out.append(p._replace(weight=w, wide=wide))
+    return (x, index, weights, *out, glu)
+
+
+def _count_wide_products(monkeypatch, case):
+    """Records the contraction width of every grouped product that reads a widened buffer (a list to read later)."""
+    bufs = {p.wide.buf.data_ptr() for p in case[3:5]}
+    hits = []
+    real_mm = grouped_mlp_mod.grouped_mm
+    monkeypatch.setattr(grouped_mlp_mod, "grouped_mm", lambda z, w, offs: (hits.append(w.shape[1]) if w.data_ptr()
+                                                                          in bufs else None) or real_mm(z, w, offs))
+    return hits
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_widened_weights_fp32_match_float64_reference(device, name, monkeypatch):
+    """LoRA's B in the widened weight's tail (one product per projection): the same math."""
+    case = _widened(_case(device, torch.float32, seed=len(name) + 3, **CASES[name]))
+    hits = _count_wide_products(monkeypatch, case)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(15)).to(device)
+    got = _run(grouped_mlp, case, dy)
+    extra = case[3].wide.extra
+    assert hits == [H + extra, I + extra, H, 2 * I]  # the widened forward products; the backward's dz products
+    ref = _run(reference.grouped_mlp, _as64(case), dy.double())
+    for i, (a, b) in enumerate(zip(got, ref)):
+        check_in_norm(a, b, what=f"output {i} of widened {name}")
+    for p in case[3:5]:  # the tail holds B [E, out, r] (zero without an adapter), the padding stays zero
+        tail = p.wide.buf[:, p.in_features:].transpose(1, 2) if p.transposed else p.wide.buf[:, :, p.in_features:]
+        rank = 0 if p.lora_b is None else R
+        if p.lora_b is not None:
+            assert torch.equal(tail[:, :, :rank], p.lora_b.detach())
+        assert torch.equal(tail[:, :, rank:], torch.zeros_like(tail[:, :, rank:]))
+
+
+@pytest.mark.parametrize("name", ["silu_lora", "gpt_oss_lora_bias"])
+def test_widened_weights_bf16_within_twice_torch_error(device, name):
+    case = _widened(_case(device, torch.bfloat16, seed=17, **CASES[name]))
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(16)).to(device, torch.bfloat16)
+    got = _run(grouped_mlp, case, dy)
+    same = _run(_bf16_torch, case, dy)
+    ref = _run(reference.grouped_mlp, _as64(case), dy.double())
+    for i, (a, s, r) in enumerate(zip(got, same, ref)):
+        check_in_norm(a, r, s, what=f"output {i} of widened {name}", lowp=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_widened_fresh_adapter_equals_no_adapter_bit_for_bit(device, dtype):
+    """B = 0 (a fresh adapter) and the adapters off (DPO's reference pass) give the same output
+    and input gradient, bit for bit, on the widened products; and after a call without adapters the
+    tail is reloaded (a stale zero tail would drop the LoRA term)."""
+    lora = _widened(_case(device, dtype, seed=21, **CASES["gpt_oss_lora_bias"]))
+    x, index, weights, gate_up, down, glu = lora
+    fresh = [p._replace(lora_b=torch.zeros_like(p.lora_b)) for p in (gate_up, down)]
+    off = [p._replace(lora_a=None, lora_b=None) for p in (gate_up, down)]
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(22)).to(device, dtype)
+    outs = []
+    for projections in (fresh, off):
+        xx = x.detach().requires_grad_()
+        out = grouped_mlp(xx, index, weights.detach(), *projections, glu)
+        outs.append((out, torch.autograd.grad(out, xx, dy)[0]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    again = grouped_mlp(x.detach(), index, weights.detach(), gate_up, down, glu)
+    plain = grouped_mlp(x.detach(), index, weights.detach(), *[p._replace(wide=None) for p in (gate_up, down)], glu)
+    check_in_norm(again, plain, what="LoRA after a pass without adapters", rtol=1e-5 if dtype == torch.float32
+                  else 1e-2)
+
+
 def test_bad_inputs_name_the_argument(device):
     x, index, weights, gate_up, down, glu = _case(device, torch.float32)
     with pytest.raises(ValueError, match="top_k_weights"):
@@ -189,14 +268,18 @@ def test_bad_inputs_name_the_argument(device):
 
 
 @pytest.mark.gpu
-def test_qwen3_30b_a3b_layer_shape_bf16():
+@pytest.mark.parametrize("widen", [False, True])
+def test_qwen3_30b_a3b_layer_shape_bf16(widen):
     """One Qwen3-30B-A3B MoE layer (128 experts, top-8, 2048 → 768), 2,048 tokens, LoRA r=16 on both
-    projections: output and every gradient within 2× plain bf16 torch's error of float64."""
+    projections (plain, and widened: B in a 16-column tail, torch's grouped GEMM on the strided
+    operands): output and every gradient within 2× plain bf16 torch's error of float64."""
     global T, H, I, E, R
     saved = (T, H, I, E, R)
     T, H, I, E, R = 2048, 2048, 768, 128, 16
     try:
         case = _case("cuda", torch.bfloat16, k=8, lora=True, seed=3)
+        if widen:
+            case = _widened(case, extra=16)
         dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         got = _run(grouped_mlp, case, dy)
         same = _run(_bf16_torch, case, dy)

@@ -86,3 +86,18 @@ def test_bad_inputs(device):
         moe_glu(gu, torch.ones(3, device=device))
     with pytest.raises(ValueError, match="dh must be"):
         moe_glu_backward(gu, torch.ones(4, 2, device=device), None)
+
+
+def test_out_writes_into_the_columns_of_a_wider_buffer(device):
+    """``out``: h written into the first I columns of a wider buffer (the widened down projection's
+    input), the other columns untouched; a wrong ``out`` is named."""
+    g = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(37, 2 * 24, generator=g).to(device)
+    weights = torch.rand(37, generator=g).to(device)
+    buf = torch.full((37, 24 + 8), 7.0, device=device)
+    got = moe_glu(gate_up, weights, ExpertGLU("silu"), out=buf[:, :24])
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:, :24], moe_glu(gate_up, weights, ExpertGLU("silu")))
+    assert buf[:, 24:].eq(7.0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        moe_glu(gate_up, weights, ExpertGLU("silu"), out=buf[:, :23])

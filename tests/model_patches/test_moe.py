@@ -21,6 +21,8 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 from fasttune import FastConfig, patch_model, unpatch_model
+from fasttune.model_patches.lora_widen import owns_storage
+from fasttune.model_patches.moe_widen import WIDE_EXPERTS_ATTR
 from fasttune.model_patches.report import FUSED
 from helpers.compare import assert_grads_close, grad_errors, rel_err
 from helpers.spies import grouped_mlp_output_unused, model_patch_counts
@@ -100,20 +102,39 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
         assert torch.equal(fast(**batch).logits, stock(**batch).logits)
 
 
+def _expert_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            or ".experts.base_layer" in n and n.endswith(("gate_up_proj", "down_proj"))}
+
+
+def _widened(model) -> list:
+    """The ``WideExperts`` that still hold their expert weight."""
+    found = []
+    for m in model.modules():
+        for name, wide in (m.__dict__.get(WIDE_EXPERTS_ATTR) or {}).items():
+            if wide is not None and wide.holds(getattr(m, name)):
+                found.append(wide)
+    return found
+
+
+@pytest.mark.parametrize("widen", [True, False])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_lora_on_experts_parity(model_type, device):
+def test_lora_on_experts_parity(model_type, widen, device):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS,
                         init_lora_weights=False)  # B ≠ 0: the adapters change the output
     overrides = _one_layer(model_type) if model_type == "gpt_oss" else {}
     stock = get_peft_model(tiny_model(model_type, seed=2, **overrides), config).to(device)
     fast = copy.deepcopy(stock)
-    report = patch_model(fast, FastConfig())
+    report = patch_model(fast, FastConfig(lora_widen=widen))
     blocks = 1
     assert report.patched["moe"] == blocks and report.patched["lora_moe"] == blocks, str(report)
     trainable = [n for n, p in fast.named_parameters() if p.requires_grad]
     assert sum("experts" in n for n in trainable) == 4 * blocks  # A and B of both expert parameters
     _compare(stock, fast, seed=12, device=device)
     assert report.calls["lora_moe", FUSED] == blocks
+    # lora_widen: both expert weights now live in buffers with a 16-column tail for B (r = 4)
+    assert len(_widened(fast)) == (2 * blocks if widen else 0)
+    assert all(w.extra == 16 for w in _widened(fast))
 
     # Adapters disabled (DPO's reference pass): the base experts alone, still on the grouped path.
     with fast.disable_adapter(), stock.disable_adapter(), torch.no_grad():
@@ -121,6 +142,28 @@ def test_lora_on_experts_parity(model_type, device):
         fast.train(), stock.train()
         assert rel_err(fast(**batch).loss, stock(**batch).loss) <= 1e-6
     assert report.calls["moe", FUSED] == 2 * blocks and report.calls["lora_moe", FUSED] == blocks
+    if widen:  # the adapters back on after a pass with a zero tail: B is reloaded
+        _compare(stock, fast, seed=14, device=device)
+        unpatch_model(fast)
+        assert _widened(fast) == [] and all(owns_storage(p) for p in _expert_weights(fast).values())
+        assert len(_expert_weights(fast)) == 2 * blocks
+        _compare(stock, fast, seed=15, device=device)
+
+
+def test_fresh_expert_adapters_give_the_base_model_bit_for_bit(device):
+    """init_lora_weights=True (B = 0) on widened experts: the loss with the adapters on and off
+    (DPO's policy and reference at step 0) is the same bits."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS)
+    fast = get_peft_model(tiny_model("qwen3_moe", seed=5), config).to(device)
+    report = patch_model(fast, FastConfig())
+    batch = make_batch(fast.config.vocab_size, seq=40, seed=16, device=device)  # prefill-sized: fused
+    fast.train()
+    with torch.no_grad():
+        on = fast(**batch).loss
+        with fast.disable_adapter():
+            off = fast(**batch).loss
+    assert len(_widened(fast)) == 2 and report.calls["lora_moe", FUSED] == 1
+    assert torch.equal(on, off)
 
 
 def test_lora_on_attention_only_keeps_experts_frozen(device):
