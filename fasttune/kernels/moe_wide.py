@@ -11,8 +11,8 @@ contraction puts it inside the base product:
 The weight side is never copied per call: ``WideExperts`` owns a buffer whose first ``in``
 columns of the input axis are the frozen base weight itself (the parameter is re-homed as a view
 of them, ``model_patches/moe_widen.py``) and whose tail receives B on every call (an optimizer
-step changes B in place); the tail columns past r stay zero. ``nk()`` gives dY [Wₑ | Bₑ] in one
-product; ``grouped_mlp`` does not use it (its input gradient would be a strided column view).
+step changes B in place); the tail columns past r stay zero. The backward does not read the tail:
+dY [Wₑ | Bₑ] in one product would leave dX a strided column view, slower to add to (docs/FACTS.md).
 
 Layouts (``transposed`` as in ``moe_reference.ExpertProjection``):
     False (Qwen3-MoE, Mixtral): W [E, out, in] = buf[:, :, :in] of buf [E, out, in + R];
@@ -69,10 +69,6 @@ class WideExperts:
     def kn(self) -> torch.Tensor:
         """[E, in + R, out]: the rows' product z_wide @ kn[e]."""
         return self.buf if self.transposed else self.buf.transpose(1, 2)
-
-    def nk(self) -> torch.Tensor:
-        """[E, out, in + R]: the input gradient's product dY @ nk[e] = [dY Wₑ | dY Bₑ | 0]."""
-        return self.buf.transpose(1, 2) if self.transposed else self.buf
 
     def load(self, b: torch.Tensor | None) -> None:
         """Put B [E, out, r] in the tail (None: a zero tail); the columns past r stay zero."""
