@@ -210,7 +210,7 @@ def worker(stack: str, args) -> None:
                 if ckpt is not None and ckpt.stash is not None:  # cores stashed, over budget, link busy
                     row["stash"] = dataclasses.asdict(ckpt.stash.stats)
             if stack in args.profile:
-                row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", None)
+                row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", args.trace_dir or None)
                 for out in row["profile"].splitlines()[:60]:
                     log("  " + out)
             if stack in args.host_profile:
@@ -245,7 +245,8 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
            "--weights", args.weights, "--experts-nf4", args.experts_nf4,
            "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile),
-           "--host-profile", ",".join(args.host_profile), "--stash", ",".join(args.stash)] + (
+           "--host-profile", ",".join(args.host_profile), "--trace-dir", args.trace_dir,
+           "--stash", ",".join(args.stash)] + (
                ["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
@@ -314,6 +315,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--profile", default="", help="stacks (comma-separated) whose extra step is profiled: "
                    "top kernels, GEMMs by shape, idle gaps (stored in the JSON row and printed)")
+    p.add_argument("--trace-dir", default="", help="keep the profiled step's Chrome trace in this folder")
     p.add_argument("--host-profile", default="", help="cProfile one extra step of these stacks (host time by function)")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -191,6 +191,7 @@ def save_checkpoint(model, path: str) -> None:
                                   bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
     tok.save_pretrained(tmp)
     os.replace(tmp, path)
+    os.sync()  # the write-back of ~10 GB would otherwise run on the host during the next stack's timed steps
 
 
 def prepare(stack: str, weights: str, shape: dict, args, log):

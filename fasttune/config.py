@@ -65,7 +65,9 @@ class FastConfig:
                 "bf16 LoRA: one rounding per projection; closer to fp32 than stock bf16 (stock PEFT rounds the "
                 "base product, then the sum, so early LoRA updates below half a bf16 ulp vanish; False gives "
                 "stock's numbers). Never for FSDP shards, ZeRO-3 partitions or NF4. Also the stacked expert "
-                "weights of a MoE block whose experts carry PEFT LoRA (target_parameters; ranks padded to 16)."})
+                "weights of a MoE block whose experts carry PEFT LoRA (target_parameters): each is bordered by A and "
+                "s·B (ranks padded to 16 rows and columns), so the forward and the input gradient are one grouped "
+                "product each."})
     base_dtype: str = field(default="auto", metadata={
         "help": "Frozen base weights of the fused LoRA projections (q/k/v, o, gate/up, down): 'auto' keeps them "
                 "as loaded (exact). 'fp8' (an approximation, opt-in): stores them as float8_e4m3fn with a "

@@ -8,27 +8,29 @@ stacked weights, optional biases, optional LoRA A/B per expert):
     proj_e(z) = z Wₑᵀ + s·(z Aₑᵀ) Bₑᵀ + bₑ
 
 Forward (S = T·k rows):
-  1. sort the flat expert ids (stable): row i is (token t_i, expert e_i), groups of rows per
-     expert, ``offs`` their ends (no host sync); w_i the router weight of row i;
-  2. GU = grouped_mm(x[t], W_guᵀ) (+ s·(x[t] Aᵀ) Bᵀ, + b)                  [S, 2I]
+  1. sort the flat expert ids (stable; one-byte keys where E ≤ 256): row i is (token t_i, expert
+     e_i), groups of rows per expert, ``offs`` their ends (no host sync); w_i the router weight of row i;
+  2. GU = grouped_mm(x[t], W_guᵀ) (+ (x[t] Aᵀ)(s·B)ᵀ, + b)                 [S, 2I]
   3. H' = w · a(gate)·up   (``moe_glu``: the router weight folded into H)   [S, I]
-  4. Y = grouped_mm(H', W_dᵀ) (+ s·(H' Aᵀ) Bᵀ, + w·b)                        [S, H]
+  4. Y = grouped_mm(H', W_dᵀ) (+ (H' Aᵀ)(s·B)ᵀ, + w·b)                       [S, H]
   5. out[t] = Σ of the k rows of token t (``moe_combine``: by the inverse permutation, in fp32, one pass).
 
 Backward, dY_i = dout[t_i] (a gather):
-  dH' = dY W_d + s·(dY B_d) A_d;  (dGU, H', dw) = moe_glu_backward(GU, dH', w)  [dw_i = ⟨dH'_i, v_i⟩,
-  v = a(gate)·up]; with a down bias dw_i += ⟨dY_i, b_e⟩;  dx[t] = Σ_rows of t (dGU W_gu + s·(dGU B) A);
+  dH' = dY W_d + (dY s·B_d) A_d;  (dGU, H', dw) = moe_glu_backward(GU, dH', w)  [dw_i = ⟨dH'_i, v_i⟩,
+  v = a(gate)·up]; with a down bias dw_i += ⟨dY_i, b_e⟩;  dx[t] = Σ_rows of t (dGU W_gu + (dGU s·B) A);
   dW_d[e] = dY_eᵀ H'_e,  dW_gu[e] = dGU_eᵀ x_e  (grouped_mm_wgrad; transposed layouts swap operands);
-  dA = s·(dY B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
+  dA = (dY s·B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
 
-Widened weights (``moe_wide.WideExperts``, a projection's ``wide``): in forward the rank-r term
-rides in the base product, y = [z | s·z Aᵀ | 0] [W | B | 0]ᵀ (one fp32 accumulation of base and
-rank-r terms); x is gathered from [x | 0] and the GLU writes H into the down projection's widened
-input. The backward keeps separate products (a strided dz would cost more than it saves).
+Widened weights (``moe_wide.WideExperts``, a projection's ``wide``, bordered by A and s·B): the
+rank-r terms ride in the base products (one fp32 accumulation each). Forward: [z | z Aᵀ | 0] Mᵀ;
+x is gathered from [x | 0] and the GLU writes H into the down projection's widened input.
+Backward: dz = [dY | dY s·B | 0] M[:, :in]; the GLU's backward writes dGU into the first 2I
+columns of a [S, 2I + R] buffer (GU is then not overwritten) and dY of the down projection is
+gathered from [dout | 0].
 
-Saved between forward and backward: GU [S, 2I] (its buffer receives dGU), the routing indices and
-the gate/up projection's rank-r product s·(x[t] Aᵀ) [S, r]; x[t], H' and the down projection's
-rank-r product are recomputed (x itself is the caller's; H' does not exist in a recompute that
+Saved between forward and backward: GU [S, 2I] (its buffer receives dGU unless bordered), the
+routing indices and the gate/up projection's rank-r product x[t] Aᵀ [S, r]; x[t], H' and the down
+projection's rank-r product are recomputed (x itself is the caller's; H' does not exist in a recompute that
 skips the down projection). A frozen weight held in
 NF4 (``nf4_weight.NF4Weight``, QLoRA experts) is dequantised where it is used, in the forward and
 again in the backward: at most one projection's dense weight is alive at a time, none between
@@ -43,7 +45,7 @@ import torch
 
 from . import moe_reference as reference
 from ._backend import check_float, check_same_device, use_triton
-from .grouped_mm import group_offsets, grouped_mm, grouped_mm_wgrad
+from .grouped_mm import grouped_mm, grouped_mm_wgrad
 from .moe_combine import combine_rows
 from .moe_glu import moe_glu, moe_glu_backward
 from .moe_reference import ExpertGLU, ExpertProjection
@@ -67,25 +69,43 @@ def _as_kn(p_weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 class _Proj:
     """One projection inside the Function: its tensors in the compute dtype and its layout.
 
-    ``wide`` (``moe_wide.WideExperts``): the weight lives in a buffer with spare rank columns; used
-    when it still holds the weight (no cast, no re-homing since) and its tail fits the adapter. Then
-    the rows' input is widened ([z | s·z Aᵀ | 0]) and the rank-r term rides in the base product."""
+    ``a`` is A [E, r, in] and ``b_s`` is s·B [E, out, r] in the compute dtype (the rank-r product
+    ``rank_input`` = z Aᵀ is unscaled: s rides in B). ``wide`` (``moe_wide.WideExperts``): the weight
+    lives in a bordered buffer; used when it still holds the weight (no cast, no re-homing since)
+    and its border fits the adapter. Then A and s·B are loaded into the border (``a``/``b_s`` are
+    views of it), the rows' input is widened ([z | z Aᵀ | 0]) and the rank-r terms ride in the
+    base products, forward and input gradient."""
 
     def __init__(self, weight, bias, lora_a, lora_b, scaling, transposed, wide, dtype):
         self.weight = _dense(weight, dtype)
         self.bias = None if bias is None else bias.to(dtype)
-        # Contiguous copies of the (small) adapters: PEFT's B arrives as a strided view [E, out, r]
-        # whose layouts torch's grouped GEMM refuses.
-        self.a = None if lora_a is None else lora_a.to(dtype).contiguous()
-        self.b = None if lora_b is None else lora_b.to(dtype).contiguous()
         self.scaling = float(scaling)
         self.transposed = transposed
-        fits = wide is not None and wide.holds(self.weight) and (self.a is None or self.a.shape[1] <= wide.extra)
-        self.wide = wide if fits else None
+        self.wide = wide if _fits(wide, self.weight, lora_a) else None
+        self.a = self.b_s = None
+        if self.wide is not None:
+            self.wide.load(lora_a, lora_b, self.scaling)  # no adapter: a zero border
+            if lora_a is not None:
+                self.a, self.b_s = self.wide.lora_a(), self.wide.scaled_lora_b()
+        elif lora_a is not None:
+            self.a = lora_a.to(dtype).contiguous()
+            # A contiguous s·B: PEFT's B arrives as a strided view [E, out, r] whose layout torch's
+            # grouped GEMM refuses.
+            self.b_s = torch.empty(lora_b.shape, dtype=dtype, device=lora_b.device)
+            torch.mul(lora_b, self.scaling, out=self.b_s)
 
     @property
     def in_features(self) -> int:
         return self.weight.shape[1 if self.transposed else 2]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[2 if self.transposed else 1]
+
+    @property
+    def bordered(self) -> bool:
+        """Widened with an adapter: the products carry the rank-r terms."""
+        return self.wide is not None and self.a is not None
 
     def widened_input(self, rows: int, device) -> torch.Tensor | None:
         """A [rows, in + R] input buffer with a zero tail (None: not widened); its first ``in``
@@ -97,11 +117,11 @@ class _Proj:
         return z
 
     def rank_input(self, z, offs):
-        """s · z Aₑᵀ [rows, r]."""
-        return grouped_mm(z, self.a.transpose(1, 2), offs).mul_(self.scaling)
+        """z Aₑᵀ [rows, r] (unscaled)."""
+        return grouped_mm(z, self.a.transpose(1, 2), offs)
 
     def forward(self, z, offs, expert, row_weight=None):
-        """(y, s · z Aᵀ or None): the rows' output and the rank-r product (dB needs it again).
+        """(y, z Aᵀ or None): the rows' output and the rank-r product (dB needs it again).
         ``z``: [rows, in], or the ``widened_input`` buffer when widened."""
         rank = None
         if self.wide is not None:
@@ -109,34 +129,38 @@ class _Proj:
             if self.a is not None:
                 rank = self.rank_input(z[:, :n_in], offs)
                 z[:, n_in:n_in + rank.shape[1]].copy_(rank)
-            self.wide.load(self.b)
-            y = grouped_mm(z, self.wide.kn(), offs)
+            y = grouped_mm(z, self.wide.forward_weight(), offs)
         else:
             y = grouped_mm(z, _as_kn(self.weight, self.transposed), offs)
             if self.a is not None:
                 rank = self.rank_input(z, offs)
-                y.add_(grouped_mm(rank, self.b.transpose(1, 2), offs))
+                y.add_(grouped_mm(rank, self.b_s.transpose(1, 2), offs))
         if self.bias is not None:
             b = self.bias[expert]
             y.add_(b if row_weight is None else b * row_weight[:, None].to(b.dtype))
         return y, rank
 
-    def grad_input(self, dy, offs):
-        """(dz [rows, in], s · dY Bₑ [rows, r] or None). Not widened: [dY W | dY B] from the widened
-        buffer would leave dz a strided column view, and the add of the rank-r term and every later
-        pass over a strided dz cost more than the separate dY B product saves."""
-        dz = grouped_mm(dy, _as_kn(self.weight, self.transposed).transpose(1, 2), offs)
+    def grad_input(self, dy, offs, dy_ext=None):
+        """(dz [rows, in], s · dY Bₑ [rows, r] or None). ``dy_ext`` (bordered): [rows, out + R] whose first
+        ``out`` columns are ``dy`` and whose columns past out + r are zero; dz is then one product,
+        [dY | s·dY B | 0] Mₑ[:, :in]. Else separate products (a strided dz, the alternative, costs more)."""
+        weight_t = _as_kn(self.weight, self.transposed).transpose(1, 2)
         if self.a is None:
-            return dz, None
-        dyb = grouped_mm(dy, self.b, offs).mul_(self.scaling)
+            return grouped_mm(dy, weight_t, offs), None
+        dyb = grouped_mm(dy, self.b_s, offs)
+        if self.bordered and dy_ext is not None:
+            n_out = self.out_features
+            dy_ext[:, n_out:n_out + dyb.shape[1]].copy_(dyb)
+            return grouped_mm(dy_ext, self.wide.backward_weight(), offs), dyb
+        dz = grouped_mm(dy, weight_t, offs)
         dz.add_(grouped_mm(dyb, self.a, offs))
         return dz, dyb
 
-    def backward(self, z, dy, offs, needs, rank=None):
+    def backward(self, z, dy, offs, needs, rank=None, dy_ext=None):
         """(dz, dweight, dA, dB): dz of the rows, and the parameter gradients asked for by ``needs``
-        (weight, lora_a, lora_b); ``rank``: the forward's s · z Aᵀ, recomputed when not given."""
+        (weight, lora_a, lora_b); ``rank``: the forward's z Aᵀ, recomputed when not given."""
         E = self.weight.shape[0]
-        dz, dyb = self.grad_input(dy, offs)
+        dz, dyb = self.grad_input(dy, offs, dy_ext)
         dw = da = db = None
         if needs[0]:
             dw = grouped_mm_wgrad(z, dy, offs, E) if self.transposed else grouped_mm_wgrad(dy, z, offs, E)
@@ -145,7 +169,33 @@ class _Proj:
                 da = grouped_mm_wgrad(dyb, z, offs, E)
             if needs[2]:
                 db = grouped_mm_wgrad(dy, self.rank_input(z, offs) if rank is None else rank, offs, E)
+                db.mul_(self.scaling)
         return dz, dw, da, db
+
+
+def _fits(wide, weight, lora_a) -> bool:
+    """``wide`` (a ``WideExperts`` or None) holds ``weight`` as the Function computes with it (no cast,
+    no re-homing since) and its border fits the adapter."""
+    return (wide is not None and isinstance(weight, torch.Tensor) and wide.holds(weight)
+            and (lora_a is None or lora_a.shape[1] <= wide.extra))
+
+
+_GROUP_IDS: dict[tuple, torch.Tensor] = {}  # 0..E-1 per (E, dtype, device): offsets by one searchsorted
+
+
+def _route(top_k_index: torch.Tensor, num_experts: int):
+    """(expert of each sorted row [S] (uint8 or int32), perm [S] int64 the flat slot of each row,
+    offs [E] int32 inclusive row ends). The sort's keys are one byte where E ≤ 256: one radix pass
+    instead of eight for int64 keys (a launch each, host time in a host-bound forward)."""
+    flat = top_k_index.reshape(-1)
+    keys = flat.to(torch.uint8 if num_experts <= 256 else torch.int32)
+    expert, perm = torch.sort(keys, stable=True)
+    key = (num_experts, keys.dtype, keys.device)
+    ids = _GROUP_IDS.get(key)
+    if ids is None:
+        ids = _GROUP_IDS[key] = torch.arange(num_experts, dtype=keys.dtype, device=keys.device)
+    offs = torch.searchsorted(expert, ids, right=True, out_int32=True)
+    return expert, perm, offs
 
 
 def _segment_sum(rows: torch.Tensor, expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -164,9 +214,9 @@ class GroupedMLPFunction(torch.autograd.Function):
         dtype = tensors[0].dtype
         gu_p = _Proj(*tensors[:_FIELDS], *meta[0], dtype)
         E = gu_p.weight.shape[0]
-        flat = top_k_index.reshape(-1)
-        expert, perm = torch.sort(flat, stable=True)
-        offs = group_offsets(flat, E)
+        expert, perm, offs = _route(top_k_index, E)
+        if tensors[1] is not None or tensors[_FIELDS + 1] is not None:
+            expert = expert.long()  # the biases are gathered by it (a one-byte index would be a mask)
         token = perm // k
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -208,9 +258,25 @@ class GroupedMLPFunction(torch.autograd.Function):
         gu_needs = (t_needs[0], t_needs[2], t_needs[3])
         d_needs = (t_needs[4], t_needs[6], t_needs[7])
 
-        dy = dout.to(dtype)[token]  # [S, H]
-        dh, dyb = d_p.grad_input(dy, offs)
-        dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
+        if d_p.bordered:  # dY gathered into [dY | 0 ...]: the border receives s·dY B
+            dy_ext = torch.cat((dout.to(dtype), dout.new_zeros(T, d_p.wide.extra, dtype=dtype)), 1)[token]
+            dy = dy_ext[:, : d_p.out_features]
+        else:
+            dy_ext, dy = None, dout.to(dtype)[token]  # [S, H]
+        dh, dyb = d_p.grad_input(dy, offs, dy_ext)
+        del dy_ext
+        gu_wide = ctx.meta[0][2]
+        if tensors[2] is not None and _fits(gu_wide, tensors[0], tensors[2]):
+            # Bordered: dGU goes into the first 2I columns of [dGU | s·dGU B | 0], whose border the
+            # gate/up projection's grad_input fills (gate_up stays saved: it is not overwritten).
+            n_gu, r = gate_up.shape[1], tensors[2].shape[1]
+            gu_ext = torch.empty(gate_up.shape[0], n_gu + gu_wide.extra, dtype=dtype, device=gate_up.device)
+            if r < gu_wide.extra:
+                gu_ext[:, n_gu + r:].zero_()
+            dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, out=gu_ext[:, :n_gu])
+        else:
+            gu_ext = None
+            dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
         del dh
         # The down projection's parameter gradients (its dz, dh, is already computed above).
         d_grads = [None] * _FIELDS
@@ -219,20 +285,20 @@ class GroupedMLPFunction(torch.autograd.Function):
         if d_p.a is not None and d_needs[1]:
             d_grads[2] = grouped_mm_wgrad(dyb, h, offs, E)
         if d_p.a is not None and d_needs[2]:
-            d_grads[3] = grouped_mm_wgrad(dy, d_p.rank_input(h, offs), offs, E)
+            d_grads[3] = grouped_mm_wgrad(dy, d_p.rank_input(h, offs), offs, E).mul_(d_p.scaling)
         if d_p.bias is not None:
             dw = dw + (dy.float() * d_p.bias[expert].float()).sum(-1)
             if t_needs[5]:
                 d_grads[1] = _segment_sum(dy.float() * w.float()[:, None], expert, E)
         del h, dy, d_p
-        # The gate/up projection.
+        # The gate/up projection (bordered: dGU is the first 2I columns of gu_ext).
         gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
         xs = x.to(dtype)[token]
-        dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs, rank=gu_rank)
+        dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs, rank=gu_rank, dy_ext=gu_ext)
         gu_grads = [gu_w, None, gu_a, gu_b]
         if gu_p.bias is not None and t_needs[1]:
             gu_grads[1] = _segment_sum(dgu, expert, E)
-        del xs, dgu
+        del xs, dgu, gu_ext
         dx = combine_rows(dxs, inverse, k, x.dtype) if needs[0] else None
         dtopk = dw[inverse].view(T, k).to(ctx.w_dtype) if needs[2] else None
         grads = []

@@ -214,7 +214,7 @@ def moe_glu(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU 
 
 
 def moe_glu_backward(gate_up: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor | None,
-                     glu: ExpertGLU = ExpertGLU(), overwrite: bool = False):
+                     glu: ExpertGLU = ExpertGLU(), overwrite: bool = False, out: torch.Tensor | None = None):
     """(dgate_up [S, 2I], h [S, I] the weighted forward output, dweights [S] fp32 or None).
 
     Args:
@@ -223,15 +223,23 @@ def moe_glu_backward(gate_up: torch.Tensor, dh: torch.Tensor, weights: torch.Ten
         weights: the forward's weights, or None.
         glu: the forward's activation.
         overwrite: write dgate_up into gate_up's buffer (the caller no longer needs it).
+        out: [S, 2I] of gate_up's dtype with unit column stride to write dgate_up into (any row
+            stride: the columns of a wider buffer), or None; not with ``overwrite``.
     """
     _check(gate_up, weights, glu)
     n_cols = gate_up.shape[1] // 2
     if dh.shape != (gate_up.shape[0], n_cols) or dh.stride(-1) != 1:
         raise ValueError(f"dh must be [{gate_up.shape[0]}, {n_cols}] with unit column stride, got {tuple(dh.shape)}")
+    if out is not None and (overwrite or out.shape != gate_up.shape or out.stride(-1) != 1
+                            or out.dtype != gate_up.dtype or out.device != gate_up.device):
+        raise ValueError(f"out must be {tuple(gate_up.shape)} {gate_up.dtype} on {gate_up.device} with unit column "
+                         f"stride, and not given with overwrite; got {out.dtype} {tuple(out.shape)} strides "
+                         f"{out.stride()}, overwrite={overwrite}")
     if not use_triton(gate_up, dh, weights):
-        return _reference_backward(gate_up, dh, weights, glu)
+        dgu, h, dw = _reference_backward(gate_up, dh, weights, glu)
+        return (dgu if out is None else out.copy_(dgu)), h, dw
     S = gate_up.shape[0]
-    dgu = gate_up if overwrite else torch.empty_like(gate_up)  # every element stored
+    dgu = gate_up if overwrite else out if out is not None else torch.empty_like(gate_up)  # every element stored
     h = torch.empty(S, n_cols, dtype=gate_up.dtype, device=gate_up.device)
     dw = torch.empty(S, dtype=torch.float32, device=gate_up.device) if weights is not None else None
     if h.numel():

@@ -48,8 +48,8 @@ class ExpertProjection(NamedTuple):
         lora_b: [E, out, r] or None.
         scaling: the adapter's scale s (output += s · (x Aₑᵀ) Bₑᵀ).
         transposed: layout of ``weight``.
-        wide: a ``moe_wide.WideExperts`` holding ``weight`` with spare rank columns, or None (the
-            fused path folds the LoRA term into the base product; the math is the same).
+        wide: a ``moe_wide.WideExperts`` holding ``weight`` in a buffer bordered by A and s·B, or
+            None (the fused path folds the LoRA terms into the base products; the math is the same).
     """
 
     weight: torch.Tensor

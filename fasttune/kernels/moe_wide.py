@@ -1,24 +1,29 @@
-"""A stacked expert weight with spare rank columns: LoRA's B rides in the grouped product.
+"""A stacked expert weight bordered by its LoRA factors: the rank-r terms ride in the grouped products.
 
-An expert projection with LoRA computes, per row of expert e, y = z Wₑᵀ + (s·z Aₑᵀ) Bₑᵀ. As
-separate products (``grouped_mlp``'s plain path) the rank-r term is an extra grouped product
-writing [rows, out] and an add over it: two memory-bound passes over the output (~0.3 ms per
-Qwen3-30B-A3B gate/up call at 8,192 tokens × 8 slots). Appending the rank columns to the
-contraction puts it inside the base product:
+An expert projection with LoRA computes, per row of expert e, y = z Wₑᵀ + s·(z Aₑᵀ) Bₑᵀ, and its
+input gradient is dz = dY Wₑ + s·(dY Bₑ) Aₑ. As separate products (``grouped_mlp``'s plain path)
+each rank-r term is an extra grouped product writing a full-width output and an add over it: two
+memory-bound passes (~0.3 ms per Qwen3-30B-A3B gate/up call at 8,192 tokens × 8 slots, forward and
+again backward). ``WideExperts`` owns, per expert, the bordered matrix
 
-    y = [z | s·z Aₑᵀ | 0] · [Wₑ | Bₑ | 0]ᵀ          (K = in + R, R ≥ r)
+    Mₑ = [[ Wₑ   s·Bₑ  0 ]      [out + R, in + R], R ≥ r (``RANK_MULTIPLE`` columns)
+          [ Aₑ   0     0 ]
+          [ 0    0     0 ]]
 
-The weight side is never copied per call: ``WideExperts`` owns a buffer whose first ``in``
-columns of the input axis are the frozen base weight itself (the parameter is re-homed as a view
-of them, ``model_patches/moe_widen.py``) and whose tail receives B on every call (an optimizer
-step changes B in place); the tail columns past r stay zero. The backward does not read the tail:
-dY [Wₑ | Bₑ] in one product would leave dX a strided column view, slower to add to (docs/FACTS.md).
+so that both directions are one product each, with one fp32 accumulation:
+
+    forward:   [z | z Aₑᵀ | 0] · Mₑ[:out]ᵀ = y
+    backward:  [dY | s·dY Bₑ | 0] · Mₑ[:, :in] = dz
+
+The frozen base weight is never copied per call: the parameter is re-homed as the view Mₑ[:out, :in]
+(``model_patches/moe_widen.py``). A and s·B are copied in at every call (``load``: an optimizer
+step changes them in place), cast to the weight's dtype; the rows and columns past r stay zero.
+With B = 0 (a fresh adapter) or no adapter (``load(None, None)``) the border products are exact
+zeros.
 
 Layouts (``transposed`` as in ``moe_reference.ExpertProjection``):
-    False (Qwen3-MoE, Mixtral): W [E, out, in] = buf[:, :, :in] of buf [E, out, in + R];
-    True (gpt-oss):            W [E, in, out] = buf[:, :in, :] of buf [E, in + R, out].
-
-With B = 0 (a fresh adapter) or no adapter (a zero tail) the tail products are exact zeros.
+    False (Qwen3-MoE, Mixtral): buf [E, out + R, in + R] = Mₑ, W [E, out, in] = buf[:, :out, :in];
+    True (gpt-oss):            buf [E, in + R, out + R] = Mₑᵀ, W [E, in, out] = buf[:, :in, :out].
 """
 
 from __future__ import annotations
@@ -27,38 +32,43 @@ import torch
 
 __all__ = ["WideExperts", "RANK_MULTIPLE"]
 
-RANK_MULTIPLE = 16  # tails padded to 16 columns: 16-bit rows stay 32-byte aligned (torch's grouped GEMM needs 16)
+RANK_MULTIPLE = 16  # borders padded to 16: 16-bit rows stay 32-byte aligned (torch's grouped GEMM needs 16)
 
 
 class WideExperts:
-    """A frozen stacked expert weight stored inside a buffer with ``extra`` spare input columns.
+    """A frozen stacked expert weight stored inside a bordered buffer (module docstring).
 
     Args:
-        buf: contiguous [E, out, in + R] (``transposed`` False) or [E, in + R, out] (True), R ≥ 1.
-        in_features: in.
+        buf: contiguous [E, out + R, in + R] (``transposed`` False) or [E, in + R, out + R] (True), R ≥ 1.
+        in_features, out_features: the weight's.
         transposed: the weight's layout.
 
     Not copied by ``copy.deepcopy`` (a deep-copied model's weights are plain tensors).
     """
 
-    __slots__ = ("buf", "in_features", "transposed", "_rank")
+    __slots__ = ("buf", "in_features", "out_features", "transposed", "rank", "scaling")
 
-    def __init__(self, buf: torch.Tensor, in_features: int, transposed: bool):
-        axis = 1 if transposed else 2
-        if buf.dim() != 3 or not buf.is_contiguous() or not 0 < in_features < buf.shape[axis]:
-            raise ValueError(f"buf must be a contiguous 3-D tensor with more than in_features={in_features} "
-                             f"columns on axis {axis}, got {tuple(buf.shape)}")
-        self.buf, self.in_features, self.transposed = buf, in_features, bool(transposed)
-        self._rank = -1  # columns of B in the tail at the last load (-1: never loaded; the tail is zero)
+    def __init__(self, buf: torch.Tensor, in_features: int, out_features: int, transposed: bool):
+        rows, cols = (in_features, out_features) if transposed else (out_features, in_features)
+        if (buf.dim() != 3 or not buf.is_contiguous() or min(in_features, out_features) < 1
+                or buf.shape[1] - rows != buf.shape[2] - cols or buf.shape[1] <= rows):
+            raise ValueError(f"buf must be a contiguous [E, {rows} + R, {cols} + R] tensor with R ≥ 1 "
+                             f"(in_features={in_features}, out_features={out_features}, transposed={transposed}), "
+                             f"got {tuple(buf.shape)}")
+        self.buf, self.in_features, self.out_features = buf, in_features, out_features
+        self.transposed = bool(transposed)
+        self.rank = -1  # rows/columns of A and B in the border at the last load (-1: never loaded; all zero)
+        self.scaling = 0.0
 
     @property
     def extra(self) -> int:
-        """R, the tail width."""
-        return self.buf.shape[1 if self.transposed else 2] - self.in_features
+        """R, the border's width."""
+        return self.buf.shape[2] - (self.out_features if self.transposed else self.in_features)
 
     def weight_view(self) -> torch.Tensor:
-        """The weight as the model's parameter holds it."""
-        return self.buf[:, : self.in_features] if self.transposed else self.buf[:, :, : self.in_features]
+        """W, as the model's parameter holds it."""
+        n_in, n_out = self.in_features, self.out_features
+        return self.buf[:, :n_in, :n_out] if self.transposed else self.buf[:, :n_out, :n_in]
 
     def holds(self, weight: torch.Tensor) -> bool:
         """``weight`` is still the view of this buffer (a ``.to()`` or a sharder re-homes it)."""
@@ -66,25 +76,49 @@ class WideExperts:
         return (weight.data_ptr() == view.data_ptr() and weight.dtype == view.dtype and weight.device == view.device
                 and weight.shape == view.shape and weight.stride() == view.stride())
 
-    def kn(self) -> torch.Tensor:
-        """[E, in + R, out]: the rows' product z_wide @ kn[e]."""
-        return self.buf if self.transposed else self.buf.transpose(1, 2)
+    def forward_weight(self) -> torch.Tensor:
+        """[E, in + R, out] (Mₑ[:out]ᵀ): the rows' forward product [z | z Aᵀ | 0] @ it."""
+        n_out = self.out_features
+        return self.buf[:, :, :n_out] if self.transposed else self.buf[:, :n_out].transpose(1, 2)
 
-    def load(self, b: torch.Tensor | None) -> None:
-        """Put B [E, out, r] in the tail (None: a zero tail); the columns past r stay zero."""
-        rank = 0 if b is None else b.shape[2]
+    def backward_weight(self) -> torch.Tensor:
+        """[E, out + R, in] (Mₑ[:, :in]): the rows' input gradient [dY | s·dY B | 0] @ it."""
+        n_in = self.in_features
+        return self.buf[:, :n_in, :].transpose(1, 2) if self.transposed else self.buf[:, :, :n_in]
+
+    def lora_a(self) -> torch.Tensor:
+        """A [E, r, in] as loaded (a view of the border)."""
+        n_in, n_out, r = self.in_features, self.out_features, max(self.rank, 0)
+        return self.buf[:, :n_in, n_out:n_out + r].transpose(1, 2) if self.transposed else \
+            self.buf[:, n_out:n_out + r, :n_in]
+
+    def scaled_lora_b(self) -> torch.Tensor:
+        """s·B [E, out, r] as loaded (a view of the border)."""
+        n_in, n_out, r = self.in_features, self.out_features, max(self.rank, 0)
+        return self.buf[:, n_in:n_in + r, :n_out].transpose(1, 2) if self.transposed else \
+            self.buf[:, :n_out, n_in:n_in + r]
+
+    def load(self, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float = 1.0) -> None:
+        """Put A [E, r, in] and s·B (B [E, out, r]) in the border (None, None: a zero border); the rows
+        and columns past r stay zero."""
+        if (a is None) != (b is None):
+            raise ValueError("lora_a and lora_b come together")
+        rank = 0 if a is None else a.shape[1]
         if rank > self.extra:
-            raise ValueError(f"B has rank {rank}, the tail holds {self.extra} columns")
-        tail = self.buf[:, self.in_features:] if self.transposed else self.buf[:, :, self.in_features:]
+            raise ValueError(f"the adapter has rank {rank}, the border holds {self.extra}")
+        n_in, n_out = self.in_features, self.out_features
         with torch.no_grad():
-            if rank < self._rank:  # a smaller rank than last time (or none): clear the stale columns
-                tail.zero_()
-            self._rank = rank
-            if b is not None:
+            if rank < self.rank:  # a smaller rank than last time (or none): clear the stale rows and columns
                 if self.transposed:
-                    tail[:, :rank].copy_(b.transpose(1, 2))
+                    self.buf[:, n_in:].zero_()
+                    self.buf[:, :, n_out:].zero_()
                 else:
-                    tail[:, :, :rank].copy_(b)
+                    self.buf[:, n_out:].zero_()
+                    self.buf[:, :, n_in:].zero_()
+            self.rank, self.scaling = rank, float(scaling)
+            if a is not None:
+                self.lora_a().copy_(a)
+                torch.mul(b, self.scaling, out=self.scaled_lora_b())
 
     def __deepcopy__(self, memo):
         return None

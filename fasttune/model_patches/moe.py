@@ -22,8 +22,8 @@ the experts the step's tokens hit (dequantised alone), and a call that does go s
 dequantised weights as dense parameters for that call.
 
 With ``FastConfig.lora_widen`` the LoRA-wrapped expert weights are re-homed at the first fused
-call into buffers with room for B (``moe_widen.py``), so the rank-r term rides in the grouped
-products (``kernels/moe_wide.py``).
+call into buffers bordered by A and s·B (``moe_widen.py``), so the rank-r terms ride in the grouped
+products, forward and backward (``kernels/moe_wide.py``).
 
 Under checkpointing the experts' output only enters the residual sum, so a recompute runs their
 gate/up product alone (what their backward needs: ``grouped_mlp(..., output_unused=True)``); with
@@ -207,7 +207,7 @@ class FastExpertsForward(PatchedForward):
     def __init__(self, module: nn.Module, stock, experts: nn.Module, glu: ExpertGLU, spec: FamilySpec,
                  widen: bool = False):
         super().__init__(module, stock)
-        self.widen = widen  # re-home LoRA-wrapped expert weights with room for B (moe_widen.py)
+        self.widen = widen  # re-home LoRA-wrapped expert weights bordered by A and s·B (moe_widen.py)
         self.experts = experts
         self.glu = glu
         self.transposed = spec.experts_transposed
@@ -239,7 +239,7 @@ class FastExpertsForward(PatchedForward):
             lora = adapters.pop(name, (None, None, 1.0))
             bias = getattr(experts, f"{name}_bias") if self.bias else None
             # Widened for the largest adapter on it, whether active now or not: a pass with the adapters
-            # off (DPO's reference) runs the same widened product with a zero tail, bit for bit a fresh
+            # off (DPO's reference) runs the same widened product with a zero border, bit for bit a fresh
             # adapter's (B = 0) output.
             wide = (wide_experts(experts, name, ranks[name], self.transposed)
                     if self.widen and ranks.get(name) and not isinstance(weight, NF4Weight) else None)

@@ -88,7 +88,7 @@ def test_fp32_matches_float64_reference(device, name):
 @pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize("name", ["silu_lora", "gpt_oss_lora_bias"])
 def test_bf16_within_twice_torch_error(device, name, widen):
-    """Plain, and with the weights widened (B in the tail: one product per projection in forward)."""
+    """Plain, and with the weights widened (A and s·B in the border: one product per projection)."""
     case = _case(device, torch.bfloat16, seed=11, **CASES[name])
     case = _widened(case) if widen else case
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(device, torch.bfloat16)
@@ -179,14 +179,14 @@ def test_output_unused_skips_down_but_keeps_every_gradient(device, name, monkeyp
 
 
 def _widened(case, extra=R + 3):
-    """The case with both weights re-homed as views of ``WideExperts`` buffers (tails wider than the
-    rank: the padding columns must stay zero)."""
+    """The case with both weights re-homed as views of ``WideExperts`` buffers (borders wider than the
+    rank: the padding rows and columns must stay zero)."""
     x, index, weights, gate_up, down, glu = case
     out = []
     for p in (gate_up, down):
         n_in, n_out = p.in_features, p.out_features
-        shape = (E, n_in + extra, n_out) if p.transposed else (E, n_out, n_in + extra)
-        wide = WideExperts(torch.zeros(shape, dtype=p.weight.dtype, device=p.weight.device), n_in, p.transposed)
+        shape = (E, n_in + extra, n_out + extra) if p.transposed else (E, n_out + extra, n_in + extra)
+        wide = WideExperts(torch.zeros(shape, dtype=p.weight.dtype, device=p.weight.device), n_in, n_out, p.transposed)
         wide.weight_view().copy_(p.weight.detach())
         w = wide.weight_view().detach().requires_grad_(p.weight.requires_grad)  # a leaf that is the view
         out.append(p._replace(weight=w, wide=wide))
@@ -205,29 +205,34 @@ def _count_wide_products(monkeypatch, case):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_widened_weights_fp32_match_float64_reference(device, name, monkeypatch):
-    """LoRA's B in the widened weight's tail (one product per projection): the same math."""
+    """LoRA's A and s·B in the widened weight's border (one product per projection, forward and input
+    gradient): the same math."""
     case = _widened(_case(device, torch.float32, seed=len(name) + 3, **CASES[name]))
     hits = _count_wide_products(monkeypatch, case)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(15)).to(device)
     got = _run(grouped_mlp, case, dy)
     extra = case[3].wide.extra
-    assert hits == [H + extra, I + extra, H, 2 * I]  # the widened forward products; the backward's dz products
+    bordered = case[3].lora_a is not None  # with an adapter, the dz products are bordered too
+    assert hits == [H + extra, I + extra] + ([H + extra, 2 * I + extra] if bordered else [H, 2 * I])
     ref = _run(reference.grouped_mlp, _as64(case), dy.double())
     for i, (a, b) in enumerate(zip(got, ref)):
         check_in_norm(a, b, what=f"output {i} of widened {name}")
-    for p in case[3:5]:  # the tail holds B [E, out, r] (zero without an adapter), the padding stays zero
-        tail = p.wide.buf[:, p.in_features:].transpose(1, 2) if p.transposed else p.wide.buf[:, :, p.in_features:]
-        rank = 0 if p.lora_b is None else R
-        if p.lora_b is not None:
-            assert torch.equal(tail[:, :, :rank], p.lora_b.detach())
-        assert torch.equal(tail[:, :, rank:], torch.zeros_like(tail[:, :, rank:]))
+    for p in case[3:5]:  # the border holds A and s·B (zero without an adapter), the padding stays zero
+        want = torch.zeros_like(p.wide.buf)
+        m = want.transpose(1, 2) if p.transposed else want  # [E, out + R, in + R]
+        n_in, n_out = p.in_features, p.out_features
+        m[:, :n_out, :n_in] = p.weight.detach().transpose(1, 2) if p.transposed else p.weight.detach()
+        if p.lora_a is not None:
+            m[:, n_out:n_out + R, :n_in] = p.lora_a.detach()
+            m[:, :n_out, n_in:n_in + R] = p.lora_b.detach() * p.scaling
+        assert torch.equal(p.wide.buf, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_widened_fresh_adapter_equals_no_adapter_bit_for_bit(device, dtype):
     """B = 0 (a fresh adapter) and the adapters off (DPO's reference pass) give the same output
     and input gradient, bit for bit, on the widened products; and after a call without adapters the
-    tail is reloaded (a stale zero tail would drop the LoRA term)."""
+    border is reloaded (a stale zero border would drop the LoRA terms)."""
     lora = _widened(_case(device, dtype, seed=21, **CASES["gpt_oss_lora_bias"]))
     x, index, weights, gate_up, down, glu = lora
     fresh = [p._replace(lora_b=torch.zeros_like(p.lora_b)) for p in (gate_up, down)]
@@ -243,6 +248,20 @@ def test_widened_fresh_adapter_equals_no_adapter_bit_for_bit(device, dtype):
     plain = grouped_mlp(x.detach(), index, weights.detach(), *[p._replace(wide=None) for p in (gate_up, down)], glu)
     check_in_norm(again, plain, what="LoRA after a pass without adapters", rtol=1e-5 if dtype == torch.float32
                   else 1e-2)
+
+
+@pytest.mark.parametrize("num_experts", [5, 256, 300])
+def test_routing_sorts_stably_and_counts_rows_per_expert(device, num_experts):
+    """The sort by expert (one-byte keys up to 256 experts, int32 beyond): the stable order of the
+    flat slots, and each expert's inclusive row end."""
+    g = torch.Generator().manual_seed(num_experts)
+    index = torch.randint(0, num_experts, (97, 3), generator=g)
+    index[0, 0] = num_experts - 1
+    expert, perm, offs = grouped_mlp_mod._route(index.to(device), num_experts)
+    want = torch.sort(index.reshape(-1), stable=True)
+    assert torch.equal(perm.cpu(), want.indices) and torch.equal(expert.cpu().long(), want.values)
+    counts = torch.bincount(index.reshape(-1), minlength=num_experts)
+    assert offs.dtype == torch.int32 and torch.equal(offs.cpu().long(), counts.cumsum(0))
 
 
 def test_bad_inputs_name_the_argument(device):
@@ -263,8 +282,8 @@ def test_bad_inputs_name_the_argument(device):
 @pytest.mark.parametrize("widen", [False, True])
 def test_qwen3_30b_a3b_layer_shape_bf16(widen):
     """One Qwen3-30B-A3B MoE layer (128 experts, top-8, 2048 → 768), 2,048 tokens, LoRA r=16 on both
-    projections (plain, and widened: B in a 16-column tail, torch's grouped GEMM on the strided
-    operands): output and every gradient within 2× plain bf16 torch's error of float64."""
+    projections (plain, and widened: A and s·B in a 16-wide border, torch's grouped GEMM on the
+    strided operands): output and every gradient within 2× plain bf16 torch's error of float64."""
     global T, H, I, E, R
     saved = (T, H, I, E, R)
     T, H, I, E, R = 2048, 2048, 768, 128, 16

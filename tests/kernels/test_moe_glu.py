@@ -101,3 +101,22 @@ def test_out_writes_into_the_columns_of_a_wider_buffer(device):
     assert buf[:, 24:].eq(7.0).all()
     with pytest.raises(ValueError, match="out must be"):
         moe_glu(gate_up, weights, ExpertGLU("silu"), out=buf[:, :23])
+
+
+@pytest.mark.parametrize("kind", ["silu", "clamped_swiglu"])
+def test_backward_out_writes_dgate_up_into_the_columns_of_a_wider_buffer(device, kind):
+    """``moe_glu_backward(out=)``: dgate_up written into the first 2I columns of a wider buffer (the
+    bordered gate/up projection's dY), bitwise the plain call's, the other columns untouched;
+    ``out`` with ``overwrite`` or of a wrong shape is named."""
+    glu = ExpertGLU(kind, 1.702, 0.4)
+    gu, w, dh = _inputs(device, torch.float32, kind, seed=13)
+    expect = moe_glu_backward(gu, dh, w, glu)
+    buf = torch.full((gu.shape[0], gu.shape[1] + 8), 7.0, device=device)
+    got = moe_glu_backward(gu, dh, w, glu, out=buf[:, : gu.shape[1]])
+    assert got[0].data_ptr() == buf.data_ptr() and buf[:, gu.shape[1]:].eq(7.0).all()
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="out must be"):
+        moe_glu_backward(gu, dh, w, glu, overwrite=True, out=buf[:, : gu.shape[1]])
+    with pytest.raises(ValueError, match="out must be"):
+        moe_glu_backward(gu, dh, w, glu, out=buf[:, :4])

@@ -1,5 +1,6 @@
-"""``WideExperts``: the buffer layouts, the tail B is loaded into (stale columns cleared when the
-rank shrinks or the adapter goes), ``holds`` after the parameter is re-homed, bad ranks named."""
+"""``WideExperts``: the bordered buffer's layouts, the products it gives (forward and input gradient
+against plain float64 math, both layouts), the border loads (stale rows and columns cleared when the
+rank shrinks or the adapter goes), ``holds`` after the parameter is re-homed, bad input named."""
 
 import copy
 
@@ -8,40 +9,72 @@ import torch
 
 from fasttune.kernels.moe_wide import WideExperts
 
+E, IN, OUT, R = 3, 4, 5, 8
 
-def test_tail_load_and_holds():
-    buf = torch.zeros(3, 5, 4 + 8)
-    wide = WideExperts(buf, 4, transposed=False)
-    weight = torch.nn.Parameter(torch.randn(3, 5, 4), requires_grad=False)
+
+def _wide(transposed: bool, dtype=torch.float64):
+    shape = (E, IN + R, OUT + R) if transposed else (E, OUT + R, IN + R)
+    wide = WideExperts(torch.zeros(shape, dtype=dtype), IN, OUT, transposed)
+    g = torch.Generator().manual_seed(int(transposed))
+    weight = torch.nn.Parameter(torch.randn(wide.weight_view().shape, generator=g, dtype=dtype), requires_grad=False)
     wide.weight_view().copy_(weight)
     weight.data = wide.weight_view()
-    assert wide.holds(weight) and wide.extra == 8
-    assert wide.kn().shape == (3, 12, 5)
-    wide.load(torch.ones(3, 5, 6))
-    assert buf[:, :, 4:10].eq(1).all() and buf[:, :, 10:].eq(0).all()
-    wide.load(torch.full((3, 5, 2), 2.0))  # a smaller rank: the stale columns are cleared
-    assert buf[:, :, 4:6].eq(2).all() and buf[:, :, 6:].eq(0).all()
-    wide.load(None)
-    assert buf[:, :, 4:].eq(0).all() and torch.equal(buf[:, :, :4], weight)
+    return wide, weight
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bordered_products_give_lora_forward_and_input_gradient(transposed):
+    """[z | z Aᵀ | 0] · forward_weight = z Wᵀ + s z Aᵀ Bᵀ and [dY | s dY B | 0] ·
+    backward_weight = dY W + s (dY B) A, per expert, against float64 math on the separate factors."""
+    wide, weight = _wide(transposed)
+    g = torch.Generator().manual_seed(5)
+    r, s = 6, 0.75
+    a, b = torch.randn(E, r, IN, generator=g, dtype=torch.float64), torch.randn(E, OUT, r, generator=g,
+                                                                                dtype=torch.float64)
+    wide.load(a, b, s)
+    w_oi = weight.transpose(1, 2) if transposed else weight  # W [E, out, in]
+    z, dy = torch.randn(7, IN, generator=g, dtype=torch.float64), torch.randn(7, OUT, generator=g, dtype=torch.float64)
+    for e in range(E):
+        rank = z @ a[e].t()
+        z_ext = torch.cat((z, rank, torch.zeros(7, R - r, dtype=torch.float64)), 1)
+        torch.testing.assert_close(z_ext @ wide.forward_weight()[e], z @ w_oi[e].t() + s * rank @ b[e].t())
+        dyb = dy @ wide.scaled_lora_b()[e]
+        torch.testing.assert_close(dyb, s * dy @ b[e])
+        dy_ext = torch.cat((dy, dyb, torch.zeros(7, R - r, dtype=torch.float64)), 1)
+        torch.testing.assert_close(dy_ext @ wide.backward_weight()[e], dy @ w_oi[e] + dyb @ a[e])
+    assert torch.equal(wide.lora_a(), a)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_border_loads_clear_stale_rows_and_columns_and_keep_the_weight(transposed):
+    wide, weight = _wide(transposed)
+    before = weight.detach().clone()
+    assert wide.holds(weight) and wide.extra == R and weight.shape == ((E, IN, OUT) if transposed else (E, OUT, IN))
+    assert wide.forward_weight().shape == (E, IN + R, OUT)
+    assert wide.backward_weight().shape == (E, OUT + R, IN)
+    wide.load(torch.ones(E, 6, IN), torch.ones(E, OUT, 6), 2.0)
+    nonzero = wide.buf.ne(0).sum().item()
+    assert nonzero == weight.ne(0).sum().item() + E * 6 * (IN + OUT)
+    wide.load(torch.full((E, 2, IN), 3.0), torch.full((E, OUT, 2), 1.0), 0.5)  # a smaller rank: stale parts cleared
+    assert wide.lora_a().eq(3).all() and wide.scaled_lora_b().eq(0.5).all()
+    assert wide.buf.ne(0).sum().item() == weight.ne(0).sum().item() + E * 2 * (IN + OUT)
+    wide.load(None, None)
+    assert torch.equal(weight, before) and wide.buf.ne(0).sum().item() == weight.ne(0).sum().item()
+    assert wide.lora_a().shape == (E, 0, IN)
     weight.data = weight.data.contiguous()
     assert not wide.holds(weight)
 
 
-def test_transposed_layout_puts_b_transposed_under_the_weight():
-    wide = WideExperts(torch.zeros(3, 4 + 8, 5), 4, transposed=True)
-    assert wide.weight_view().shape == (3, 4, 5) and wide.weight_view().stride() == (60, 5, 1)
-    assert wide.kn().shape == (3, 12, 5)
-    b = torch.randn(3, 5, 3)
-    wide.load(b)
-    assert torch.equal(wide.buf[:, 4:7], b.transpose(1, 2)) and wide.buf[:, 7:].eq(0).all()
-
-
 def test_bad_rank_and_buffer_are_named_and_deepcopy_drops_it():
-    wide = WideExperts(torch.zeros(2, 3, 4 + 4), 4, transposed=False)
+    wide = WideExperts(torch.zeros(2, 3 + 4, 5 + 4), 5, 3, transposed=False)
     with pytest.raises(ValueError, match="rank 5"):
-        wide.load(torch.ones(2, 3, 5))
-    with pytest.raises(ValueError, match="in_features"):
-        WideExperts(torch.zeros(2, 3, 8), 8, transposed=False)
+        wide.load(torch.ones(2, 5, 5), torch.ones(2, 3, 5))
+    with pytest.raises(ValueError, match="come together"):
+        wide.load(torch.ones(2, 2, 5), None)
+    with pytest.raises(ValueError, match="R ≥ 1"):
+        WideExperts(torch.zeros(2, 3, 5), 5, 3, transposed=False)
+    with pytest.raises(ValueError, match="R ≥ 1"):
+        WideExperts(torch.zeros(2, 3 + 4, 5 + 2), 5, 3, transposed=False)  # borders of different widths
     with pytest.raises(ValueError, match="contiguous"):
-        WideExperts(torch.zeros(2, 8, 3).transpose(1, 2), 4, transposed=False)
+        WideExperts(torch.zeros(2, 9, 7).transpose(1, 2), 5, 3, transposed=False)
     assert copy.deepcopy({"w": wide}) == {"w": None}

@@ -132,7 +132,7 @@ def test_lora_on_experts_parity(model_type, widen, device):
     assert sum("experts" in n for n in trainable) == 4 * blocks  # A and B of both expert parameters
     _compare(stock, fast, seed=12, device=device)
     assert report.calls["lora_moe", FUSED] == blocks
-    # lora_widen: both expert weights now live in buffers with a 16-column tail for B (r = 4)
+    # lora_widen: both expert weights now live in buffers with a 16-wide border for A and s·B (r = 4)
     assert len(_widened(fast)) == (2 * blocks if widen else 0)
     assert all(w.extra == 16 for w in _widened(fast))
 
@@ -142,7 +142,7 @@ def test_lora_on_experts_parity(model_type, widen, device):
         fast.train(), stock.train()
         assert rel_err(fast(**batch).loss, stock(**batch).loss) <= 1e-6
     assert report.calls["moe", FUSED] == 2 * blocks and report.calls["lora_moe", FUSED] == blocks
-    if widen:  # the adapters back on after a pass with a zero tail: B is reloaded
+    if widen:  # the adapters back on after a pass with a zero border: A and B are reloaded
         _compare(stock, fast, seed=14, device=device)
         unpatch_model(fast)
         assert _widened(fast) == [] and all(owns_storage(p) for p in _expert_weights(fast).values())

@@ -29,8 +29,10 @@ def test_widens_a_frozen_weight_and_unwidens_it(transposed):
     param = experts.gate_up_proj
     wide = wide_experts(experts, "gate_up_proj", 4, transposed)
     assert wide is not None and wide.extra == RANK_MULTIPLE and experts.gate_up_proj is param
+    assert wide.buf.shape == ((3, 8 + RANK_MULTIPLE, 6 + RANK_MULTIPLE) if transposed else
+                              (3, 6 + RANK_MULTIPLE, 8 + RANK_MULTIPLE))  # bordered: rows and columns
     assert wide.holds(param) and torch.equal(param, before) and not owns_storage(param)
-    assert wide_experts(experts, "gate_up_proj", 16, transposed) is wide  # the tail already fits
+    assert wide_experts(experts, "gate_up_proj", 16, transposed) is wide  # the border already fits
     bigger = wide_experts(experts, "gate_up_proj", 17, transposed)  # a larger adapter: re-widened from the view
     assert bigger is not wide and bigger.extra == 2 * RANK_MULTIPLE and torch.equal(param, before)
     UnwidenExperts(experts)()
