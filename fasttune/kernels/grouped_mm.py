@@ -33,7 +33,7 @@ import triton.language as tl
 from . import moe_reference as reference
 from ._backend import cdiv, check_float, check_same_device, interpreter_on, next_power_of_2, use_triton
 
-__all__ = ["grouped_mm", "grouped_mm_wgrad", "group_offsets"]
+__all__ = ["grouped_mm", "grouped_mm_wgrad"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,13 +203,6 @@ def _torch_fits(*ts: torch.Tensor) -> bool:
     if _major(ts[0].device) < 9:
         return False
     return all(_aligned(t) and t.shape[-1] % 8 == 0 for t in ts)
-
-
-def group_offsets(group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """[E] int32 inclusive row ends of ``group_ids`` (any order), without a host sync."""
-    counts = torch.zeros(num_groups, dtype=torch.int32, device=group_ids.device)
-    counts.scatter_add_(0, group_ids.reshape(-1).long(), torch.ones_like(group_ids.reshape(-1), dtype=torch.int32))
-    return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------------------------
