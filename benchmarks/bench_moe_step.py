@@ -214,7 +214,8 @@ def worker(stack: str, args) -> None:
                 for out in row["profile"].splitlines()[:60]:
                     log("  " + out)
             if stack in args.host_profile:
-                row["host_profile"] = common.host_profile(step)
+                row["host_profile"] = common.host_profile(step, dump=os.path.join(
+                    args.trace_dir, f"{stack}_moe_{b}x{s}.pstats") if args.trace_dir else None)
                 log(row["host_profile"])
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
@@ -315,7 +316,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--profile", default="", help="stacks (comma-separated) whose extra step is profiled: "
                    "top kernels, GEMMs by shape, idle gaps (stored in the JSON row and printed)")
-    p.add_argument("--trace-dir", default="", help="keep the profiled step's Chrome trace in this folder")
+    p.add_argument("--trace-dir", default="", help="keep the profiled step's Chrome trace (and the --host-profile pstats) in this folder")
     p.add_argument("--host-profile", default="", help="cProfile one extra step of these stacks (host time by function)")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
     p.add_argument("--worker", help=argparse.SUPPRESS)

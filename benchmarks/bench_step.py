@@ -423,9 +423,10 @@ def runtime_table(averages) -> str:
             + "\n".join(f"| {k} | {n} | {ms:.1f} |" for k, n, ms in rows[:20]))
 
 
-def host_profile(step: Step, rows: int = 70) -> str:
+def host_profile(step: Step, rows: int = 70, dump: str | None = None) -> str:
     """cProfile of one step's host side (Python and the time spent inside torch calls), by own time:
-    where a host-bound step's GPU waits come from."""
+    where a host-bound step's GPU waits come from. ``dump``: also write the whole profile there
+    (``pstats`` format, for ``python3 -m pstats``)."""
     import cProfile
     import io
     import pstats
@@ -436,6 +437,8 @@ def host_profile(step: Step, rows: int = 70) -> str:
     step()
     prof.disable()
     sync()
+    if dump:
+        prof.dump_stats(dump)
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(rows)

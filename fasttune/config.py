@@ -114,6 +114,18 @@ class FastConfig:
                 "Qwen3-30B-A3B, within the same host budget as attention_stash). Exact. Measured slower on an H200 "
                 "with a PCIe host link (~46k vs ~72k tok/s on 8 Qwen3-30B-A3B layers, benchmarks/RESULTS.md): "
                 "for hosts whose link to the GPU is much faster than PCIe."})
+    checkpoint_no_grad_forward: bool | None = field(default=None, metadata={
+        "help": "With checkpointing: a checkpointed decoder layer's forward runs without autograd (nothing "
+                "recorded, nothing saved but its input) and is recorded once, by its recompute in backward, "
+                "instead of twice (torch's non-reentrant checkpoint). Same gradients, less host time. None "
+                "(default): on for mixture-of-experts families, whose many small launches leave the step "
+                "host-bound (8 Qwen3-30B-A3B layers on an H200: 114.3 vs 133.9 ms/step), off for dense ones, "
+                "GPU-bound already (Llama-3.1-8B: the same speed, 0.35 GiB more reserved). Router logits for the "
+                "auxiliary loss keep their gradient. A layer keeps the recorded forward under forward hooks on "
+                "its modules, with the stashes and in multi-process runs "
+                "(counted as 'no_grad_forward' in the report, logged once per reason). torch.autograd.grad "
+                "cannot follow such a layer (it raises; with allow_unused=True the layers' parameters get "
+                "None): set False for it."})
     cuda_expandable_segments: bool = field(default=True, metadata={
         "help": "Switch torch's CUDA caching allocator to expandable segments when a model is patched on a "
                 "machine with CUDA (process-wide, for allocations from then on; undone by unpatch_model): "

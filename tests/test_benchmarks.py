@@ -190,3 +190,15 @@ def test_bench_vlm_smoke_survives_a_failing_stack(tmp_path):
     assert rows["hf"]["loss_step1"] == pytest.approx(rows["fasttune"]["loss_step1"], rel=1e-5)
     assert "error" in rows["unsloth"] and "FAILED" in stdout
     assert "image tokens" in stdout.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_ab_no_grad_forward_smoke(tmp_path):
+    """The in-process A/B of checkpointed forwards with and without autograd: both arms ran, and the
+    no-autograd arm's layers took that path (the report's counts)."""
+    out = tmp_path / "ab.json"
+    stdout = _run(["benchmarks/ab_no_grad_forward.py", "--smoke", "--out", str(out)], 600)
+    result = json.loads(out.read_text())
+    assert "RESULT no_grad_forward" in stdout and "RESULT recorded" in stdout, stdout
+    assert result["no_grad_forward"]["ms"] > 0 and result["recorded"]["ms"] > 0
+    assert result["calls"].get("no_grad_forward/fused", 0) > 0, result["calls"]

@@ -18,7 +18,8 @@ layer is recomputed, ``recomputing()`` is True: the recompute's output is thrown
 fused LoRA MLP skips its down projection there (the layer's last GEMM, ~27% of a Llama layer's
 recompute FLOPs) in families whose MLP output goes straight into the residual sum (lora.py).
 Non-reentrant checkpointing needs no ``enable_input_require_grads`` (LoRA with frozen embeddings
-works as is), supports ``torch.autograd.grad`` and DDP without ``static_graph``.
+works as is), supports ``torch.autograd.grad`` and DDP without ``static_graph``. MoE families' layers
+run their forward without autograd instead, recorded once by the recompute (``no_grad_forward.py``).
 
 "auto" keeps the first ``k`` layers resident and offloads the rest, with ``k`` as large as the
 activation budget allows. Decided per forward, at the first decoder layer: the activation memory
@@ -42,6 +43,7 @@ unless its class declares ``_can_checkpoint_with_cache``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -56,6 +58,7 @@ from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
 from .attention_stash import ATTENTION, EXPERTS, LayerStash, StashChain
+from . import no_grad_forward
 from .offload import OffloadedCheckpointer
 from .report import PatchReport
 
@@ -263,7 +266,8 @@ class LayerCheckpointing:
         resident: layers [0, resident) run resident in the current forward (auto).
     """
 
-    def __init__(self, mode: str, base: nn.Module, n_layers: int, config: FastConfig, head_fused: bool):
+    def __init__(self, mode: str, base: nn.Module, n_layers: int, config: FastConfig, head_fused: bool,
+                 moe: bool = False):
         self.mode = mode
         self.base = base
         self.n_layers = n_layers
@@ -272,6 +276,9 @@ class LayerCheckpointing:
         self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
+        # Default: on for MoE families (host-bound layers), off for dense ones (GPU-bound: no_grad_forward.py).
+        self.no_grad_forward = moe if config.checkpoint_no_grad_forward is None else config.checkpoint_no_grad_forward
+        self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
         self._hf_flags: list[nn.Module] = []
         self._warned = False
 
@@ -359,13 +366,13 @@ class CheckpointedLayerForward(PatchedForward):
         if how == RESIDENT:
             return self.stock(hidden, *args, **kwargs)
         kwargs = self._without_cache(kwargs)
-        if how == OFFLOAD:
-            stash = self.state.stash
-            fn = ForwardThenRecompute(self.stock, stash.new_layer() if stash is not None else None)
-            with self.state.checkpointer.offloading(hidden):
-                return checkpoint(fn, hidden, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        return checkpoint(ForwardThenRecompute(self.stock), hidden, *args, use_reentrant=False, preserve_rng_state=True,
-                          **kwargs)
+        stash = self.state.stash if how == OFFLOAD else None
+        fn = ForwardThenRecompute(self.stock, stash.new_layer() if stash is not None else None)
+        without_graph = no_grad_forward.chosen(self, stash is not None, args, kwargs)
+        with self.state.checkpointer.offloading(hidden) if how == OFFLOAD else contextlib.nullcontext():
+            if without_graph:
+                return no_grad_forward.run_without_graph(fn, hidden, args, kwargs, self.module)
+            return checkpoint(fn, hidden, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def _plan_and_run(self, hidden: torch.Tensor, args: tuple, kwargs: dict):
         """Layer 0 under "auto": decide how many layers stay resident in this forward (measuring if needed)."""
@@ -472,7 +479,7 @@ def install_checkpointing(base: nn.Module, spec: FamilySpec, classes: dict, conf
         report.fallback(OP, spec.model_type, f"no {spec.decoder_layer_class} module to checkpoint")
         return
     head_fused = report.patched.get("cross_entropy", 0) > 0
-    state = LayerCheckpointing(mode, base, len(layers), config, head_fused)
+    state = LayerCheckpointing(mode, base, len(layers), config, head_fused, moe=spec.moe_block_class is not None)
     report.on_undo(state.close)
     state.reclaim()
     for index, (module, stock) in enumerate(layers):

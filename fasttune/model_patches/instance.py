@@ -11,6 +11,8 @@ Counter increment per call): what actually ran, which the patch-time report cann
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections import Counter
 
@@ -103,9 +105,29 @@ STOCK_INFERENCE_MAX_ROWS = 64
 DECODE_STEP = "a decode step (few rows, no autograd: the stock code launches fewer kernels)"  # count() reason
 
 
+_GRAPHLESS_TRAINING = contextvars.ContextVar("fasttune_graphless_training", default=False)
+
+
+@contextlib.contextmanager
+def graphless_training():
+    """Around a checkpointed layer's forward run without autograd (``no_grad_forward.py``): the
+    calls inside are training calls, which its recompute in backward repeats with autograd on."""
+    token = _GRAPHLESS_TRAINING.set(True)
+    try:
+        yield
+    finally:
+        _GRAPHLESS_TRAINING.reset(token)
+
+
+def autograd_on() -> bool:
+    """Autograd records this call, or will record it again (``graphless_training``): the call must
+    take the path its recompute takes, whatever grad mode says."""
+    return torch.is_grad_enabled() or _GRAPHLESS_TRAINING.get()
+
+
 def few_rows_without_grad(rows: int) -> bool:
     """True for a call without autograd on at most ``STOCK_INFERENCE_MAX_ROWS`` rows (tokens)."""
-    return not torch.is_grad_enabled() and rows <= STOCK_INFERENCE_MAX_ROWS
+    return not autograd_on() and rows <= STOCK_INFERENCE_MAX_ROWS
 
 
 def stock_is_faster(x) -> bool:

@@ -53,7 +53,7 @@ from .attention import attention_forward
 from .checkpointing import layer_memo, recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .fp8_base import fp8_op
-from .instance import stock_is_faster
+from .instance import autograd_on, stock_is_faster
 from .lora_specs import lora_spec
 from .lora_widen import Unwiden, widen_group
 from .mlp import check_mlp, config_activation, mlp_forward
@@ -140,7 +140,7 @@ def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
         return specs
     if x.dtype not in KERNEL_DTYPES:
         return f"input is {x.dtype}"
-    if not torch.is_grad_enabled() and any(spec[0].is_nf4 for spec in specs):
+    if not autograd_on() and any(spec[0].is_nf4 for spec in specs):
         return "NF4 inference (no autograd): bitsandbytes' own 4-bit kernels"
     autocast = x.device.type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(x.device.type)
     x_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -206,7 +206,7 @@ class _Hook:
         memo = layer_memo()
         if memo is None:
             return how(module, x)
-        key = (x.dtype, x.device, compute_dtype(x), torch.is_grad_enabled())
+        key = (x.dtype, x.device, compute_dtype(x), autograd_on())
         if recomputing():
             hit = memo.get((self, module))
             if hit is not None and hit[0] == key:
