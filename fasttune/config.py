@@ -119,7 +119,7 @@ class FastConfig:
                 "recorded, nothing saved but its input) and is recorded once, by its recompute in backward, "
                 "instead of twice (torch's non-reentrant checkpoint). Same gradients, less host time. None "
                 "(default): on for mixture-of-experts families, whose many small launches leave the step "
-                "host-bound (8 Qwen3-30B-A3B layers on an H200: 114.3 vs 133.9 ms/step), off for dense ones, "
+                "host-bound (8 Qwen3-30B-A3B layers on an H200, one process: 111.0-114.3 vs 122.7-133.9 ms/step), off for dense ones, "
                 "GPU-bound already (Llama-3.1-8B: the same speed, 0.35 GiB more reserved). Router logits for the "
                 "auxiliary loss keep their gradient. A layer keeps the recorded forward under forward hooks on "
                 "its modules, with the stashes and in multi-process runs "

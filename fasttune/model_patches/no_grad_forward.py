@@ -149,7 +149,6 @@ class RecomputedLayer(torch.autograd.Function):
         outs = ((out,) if isinstance(out, torch.Tensor) else tuple(out)) + tuple(recorded)
         pairs = [(t, g) for t, g in zip(outs, grads)
                  if isinstance(t, torch.Tensor) and g is not None and t.requires_grad]
-        ctx.run = None  # the layer's other inputs (cos/sin, masks) go with it
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return None, (h.grad if ctx.hidden_grad else None), None

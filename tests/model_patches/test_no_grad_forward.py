@@ -155,6 +155,21 @@ def test_autograd_grad_through_a_layer_raises_naming_the_option():
         torch.autograd.grad(loss, params)
 
 
+def test_retain_graph_backward_twice_accumulates_as_recorded():
+    """backward(retain_graph=True) then backward again: each recomputes, gradients accumulate twice,
+    as under the recorded checkpoint."""
+    runs = []
+    for flag in (True, False):
+        model = _model("qwen3_moe")
+        # the fused loss head hands its gradient over once (it refuses a second backward): stock head here
+        patch_model(model, FastConfig(checkpointing="recompute", checkpoint_no_grad_forward=flag, cross_entropy=False))
+        loss = model(**make_batch(model.config.vocab_size, seed=3)).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    _same(*runs)
+
+
 def test_off_records_every_forward():
     report, _ = _run("llama", "recompute", checkpoint_no_grad_forward=False)
     assert not any(op == OP for op, _ in report.calls)
