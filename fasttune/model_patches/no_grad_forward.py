@@ -196,8 +196,7 @@ def run_without_graph(fn, hidden: torch.Tensor, args: tuple, kwargs: dict, layer
     """``fn(hidden, *args, **kwargs)`` through ``RecomputedLayer``. Its output requires grad even where
     ``hidden`` does not when ``layer`` has parameters that do (layer 0 under frozen embeddings)."""
     call = LayerCall(fn, args, kwargs)
-    trainable = layer is not None and any(p.requires_grad for p in layer.parameters())
-    if not hidden.requires_grad and not trainable:
+    if not hidden.requires_grad and not (layer is not None and any(p.requires_grad for p in layer.parameters())):
         with torch.no_grad():
             return call(hidden)
     outputs = RecomputedLayer.apply(call, hidden, anchor(hidden.device))
