@@ -197,7 +197,7 @@ def worker(stack: str, args) -> None:
         try:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            row.update(common.measure(step, b * s, args.warmup, args.steps))
+            row.update(common.measure(step, b * s, args.warmup, args.steps, gc_mode=args.gc))
             if torch.cuda.is_available():
                 row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
             report = getattr(model, "_bench_report", None)
@@ -210,7 +210,8 @@ def worker(stack: str, args) -> None:
                 if ckpt is not None and ckpt.stash is not None:  # cores stashed, over budget, link busy
                     row["stash"] = dataclasses.asdict(ckpt.stash.stats)
             if stack in args.profile:
-                row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", args.trace_dir or None)
+                row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", args.trace_dir or None,
+                                                steps=args.profile_steps)
                 for out in row["profile"].splitlines()[:60]:
                     log("  " + out)
             if stack in args.host_profile:
@@ -233,7 +234,9 @@ def line(r: dict) -> str:
     return (f"RESULT {r['stack']} {r['shape']}: {r['tokens_per_s']:,} tok/s, {r['ms']:.1f} ms/step, "
             f"peak allocated {r['peak_gib']} GiB, peak reserved {r.get('peak_reserved_gib', 'n/a')} GiB, "
             f"loss {r['loss_step1']}" + (f", calls {r['calls']}" if r.get("calls") else "")
-            + (f", stash {r['stash']}" if r.get("stash") else ""))
+            + (f", stash {r['stash']}" if r.get("stash") else "")
+            + f"; steps {r.get('times_ms')}, back to back {r.get('ms_back_to_back')} ms/step {r.get('back_to_back_ms')}"
+            + f", gc {r.get('gc_collections')}")
 
 
 def run_stack(stack: str, args, log) -> list[dict]:
@@ -242,11 +245,12 @@ def run_stack(stack: str, args, log) -> list[dict]:
         return [dict(r, error="skipped: time budget") for r in expected]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--deadline-at", str(args.deadline_at),
            "--stacks", ",".join(args.stacks), "--model", args.model, "--attention", args.attention or "", "--layers", str(args.layers), "--lora", args.lora,
-           "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
+           "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps), "--gc", args.gc,
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
            "--weights", args.weights, "--experts-nf4", args.experts_nf4,
            "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile),
-           "--host-profile", ",".join(args.host_profile), "--trace-dir", args.trace_dir,
+           "--host-profile", ",".join(args.host_profile), "--profile-steps", str(args.profile_steps),
+           "--trace-dir", args.trace_dir,
            "--stash", ",".join(args.stash)] + (
                ["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
@@ -308,6 +312,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default="4x2048", help="batch x sequence, comma-separated")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
+                   help="Python's garbage collector during the timed steps (freeze: the model leaves its generations)")
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"))
     p.add_argument("--stash", default="", help="fasttune's stashes under offload/auto, comma-separated: experts "
                    "(FastConfig.experts_stash), attention (FastConfig.attention_stash)")
@@ -316,6 +322,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--profile", default="", help="stacks (comma-separated) whose extra step is profiled: "
                    "top kernels, GEMMs by shape, idle gaps (stored in the JSON row and printed)")
+    p.add_argument("--profile-steps", type=int, default=1,
+                   help="steps in the profile, back to back (2+: what a pipelined step waits on)")
     p.add_argument("--trace-dir", default="", help="keep the profiled step's Chrome trace (and the --host-profile pstats) in this folder")
     p.add_argument("--host-profile", default="", help="cProfile one extra step of these stacks (host time by function)")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")

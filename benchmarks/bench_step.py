@@ -354,11 +354,17 @@ def measure(step: Step, tokens: int, warmup: int, steps: int, gc_mode: str = "on
     # (Trainer does not wait for the GPU between steps): the host prepares the next step while the
     # GPU finishes the last one, so the per-step launch lag at the start of forward is hidden.
     sync()
+    starts = []  # per step: (CUDA event at its start, host clock): where a pipelined step loses its overlap
     t0 = time.perf_counter()
     for _ in range(steps):
+        starts.append((_event(), time.perf_counter()))
         step()
+    starts.append((_event(), time.perf_counter()))
     sync()
     pipelined_ms = (time.perf_counter() - t0) / max(steps, 1) * 1e3
+    pipelined = dict(host=[round((b[1] - a[1]) * 1e3, 1) for a, b in zip(starts, starts[1:])])
+    if torch.cuda.is_available():
+        pipelined["gpu"] = [round(a[0].elapsed_time(b[0]), 1) for a, b in zip(starts, starts[1:])]
     gc.enable()
     gc.unfreeze()
     ms = statistics.median(times) * 1e3
@@ -369,19 +375,32 @@ def measure(step: Step, tokens: int, warmup: int, steps: int, gc_mode: str = "on
                 peak_reserved_gib=round(reserved, 2),
                 loss_step1=round(loss0, 4), times_ms=[round(t * 1e3, 1) for t in times],
                 gc=gc_mode, gc_collections=collections, phases=phases,
-                ms_back_to_back=round(pipelined_ms, 1), tokens_per_s_back_to_back=round(tokens / (pipelined_ms / 1e3)))
+                ms_back_to_back=round(pipelined_ms, 1), tokens_per_s_back_to_back=round(tokens / (pipelined_ms / 1e3)),
+                back_to_back_ms=pipelined)
 
 
-def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> str:
-    """Key averages of one step, sorted by self device time (the top rows are the CUDA kernels),
-    after a line comparing the step's wall time with the summed kernel time (a gap = GPU idle)."""
+def _event():
+    """A CUDA event recorded now on the current stream (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40, steps: int = 1) -> str:
+    """Key averages of ``steps`` steps run back to back (one sync at the end), sorted by self device time
+    (the top rows are the CUDA kernels), after a line comparing the wall time with the summed kernel time
+    (a gap = GPU idle)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
     with torch_profile(activities=activities, record_shapes=True) as prof:
         t0 = time.perf_counter()
-        step()
+        for _ in range(steps):
+            step()
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
     import tempfile
@@ -407,7 +426,7 @@ def profile(step: Step, label: str, trace_dir: str | None, rows: int = 40) -> st
                 "attention" if any(w in n for w in ("flash", "fmha", "attention", "sdpa")) else
                 "triton" if e.key.startswith("_") or "triton" in n else "other")
         groups[kind] = groups.get(kind, 0.0) + t
-    head = (f"wall {wall_ms:.1f} ms (profiled), kernels {kernels_ms:.1f} ms; by kind: "
+    head = (f"wall {wall_ms:.1f} ms ({steps} step{'s' * (steps > 1)} profiled), kernels {kernels_ms:.1f} ms; by kind: "
             + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
     return (head + "\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
             + "\n" + gemm_table(prof) + "\n\n" + runtime_table(averages) + "\n\n" + gaps)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._backend import check_float, check_same_device, interpreter_on, next_power_of_2
+from .label_summary import LabelSummary
 
 DEFAULT_WORKSPACE_MIB = 1024  # W trainable: every chunk read-modify-writes the fp32 dW, so fewer is faster
 # W frozen there is nothing to amortise: chunks of ~1k rows run the products as fast as 4k (bench_loss_chunks.py,
@@ -182,31 +183,21 @@ def check_transform(softcap, logit_scale) -> None:
         raise ValueError(f"logit_scale must be a finite number or None, got {logit_scale!r}")
 
 
-def label_summary(labels: torch.Tensor, V: int, ignore_index: int | None) -> int:
+def label_summary(labels: torch.Tensor, V: int, ignore_index: int | None, started=None) -> int:
     """Count of the rows that are not ``ignore_index``; raises ValueError if one is outside [0, V).
 
     One host sync (count, min and max come back together). The Triton path needs the count on
     the host anyway (it sizes the compacted products), so the range check rides on that sync and
     fails here, clearly, instead of as a device-side assert. ``ignore_index=None``: labels < 0
-    are read as 0 (log-probs), only the upper bound is checked.
+    are read as 0 (log-probs), only the upper bound is checked. ``started``: a ``LabelSummary`` of
+    these labels begun earlier, whose copy has long landed: no new sync.
     """
-    if labels.numel() == 0:
-        return 0
-    lab = labels.long()
-    if ignore_index is None:
-        lab = lab.clamp(min=0)
-        valid = torch.ones_like(lab, dtype=torch.bool)
-    else:
-        valid = lab != ignore_index
-    big = torch.iinfo(torch.int64).max
-    lo = torch.where(valid, lab, big).min()
-    hi = torch.where(valid, lab, -1).max()
-    count, lo, hi = torch.stack([valid.sum(), lo.long(), hi.long()]).tolist()
-    if count and (lo < 0 or hi >= V):
-        bad = lo if lo < 0 else hi
-        hint = "" if ignore_index is None else f" or ignore_index={ignore_index}"
-        raise ValueError(f"labels must lie in [0, {V}){hint}; found {bad}")
-    return count
+    if started is None:
+        return LabelSummary(labels, ignore_index).count(V)
+    if not isinstance(started, LabelSummary) or not started.matches(labels, ignore_index):
+        raise ValueError("label_stats must be a LabelSummary started for these labels (the same tensor, "
+                         f"unchanged since, ignore_index={ignore_index}); got {started!r}")
+    return started.count(V)
 
 
 def first_order_only(backward):

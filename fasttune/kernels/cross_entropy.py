@@ -174,7 +174,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, opts: _Options, count: int, num_items, need):
         N = hidden.shape[0]
         dev = hidden.device
-        rows = None if count == N else (labels != opts.ignore_index).nonzero().squeeze(1)
+        # The count is known on the host: a sized nonzero, which does not wait for the GPU as nonzero() does.
+        rows = None if count == N else torch.nonzero_static(labels != opts.ignore_index, size=count).squeeze(1)
         y = (labels if rows is None else labels.index_select(0, rows)).contiguous()
         w = _reduction_weight(opts, count, num_items, dev)
         scalar = opts.reduction != "none"
@@ -329,7 +330,7 @@ def _reference_chunk_rows(workspace_mib, V: int) -> int:
 
 def fused_linear_cross_entropy(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
                                num_items_in_batch=None, label_smoothing=0.0, softcap=None, logit_scale=None,
-                               z_loss=0.0, return_stats=False, workspace_mib=None):
+                               z_loss=0.0, return_stats=False, workspace_mib=None, label_stats=None):
     """Cross-entropy of ``(hidden @ weight.T + bias)·logit_scale`` (soft-capped) against ``labels``,
     without materialising the [N, V] logits.
 
@@ -348,6 +349,9 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, *, ignore_inde
         return_stats: also return {"entropy": float32 [N], "correct": bool [N]} (0/False where ignored).
         workspace_mib: bound of the per-chunk logit workspace in MiB (at least 16 rows); None:
             1024 with a trainable weight, else what 1,024 rows take, at least 256.
+        label_stats: ``LabelSummary(labels, ignore_index)`` started earlier (the model patch starts it
+            at the top of the forward): the head reads the count it needs on the host without a sync
+            that would stall the launches until the GPU has run the whole forward.
 
     Returns:
         float32 loss (0-d, or [N] for "none"), and the stats dict when ``return_stats``.
@@ -356,7 +360,7 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, *, ignore_inde
     check_head_inputs(hidden, weight, labels, bias, workspace_mib)
     _check_options(ignore_index, reduction, label_smoothing, softcap, z_loss, logit_scale)
     V = weight.shape[0]
-    count = label_summary(labels, V, ignore_index)
+    count = label_summary(labels, V, ignore_index, label_stats)
     num = _num_items(num_items_in_batch, hidden.device)
     if not use_triton(hidden, weight, labels, bias):
         return reference.fused_linear_cross_entropy(

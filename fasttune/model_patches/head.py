@@ -32,6 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import FastConfig
 from ..kernels.cross_entropy import fused_linear_cross_entropy
+from ..kernels.label_summary import LabelSummary
 from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
 from .moe_aux import MoeCausalLMOutputWithPast, add_router_aux, router_logits_wanted
@@ -124,15 +125,25 @@ class FusedLossCausalLMForward(PatchedForward):
         return out, (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
 
     def _flat_inputs(self, hidden, labels, shift_labels, weight, fp32=False):
+        y, shape = self._flat_labels(labels, shift_labels, weight.device)
+        h, weight = self._flat_hidden(hidden, weight, fp32)
+        return h, y, weight, shape
+
+    @staticmethod
+    def _flat_labels(labels, shift_labels, device):
+        """The shifted labels, flat on the head's device, and their [batch, seq] shape."""
         if shift_labels is None:
             # HF's shift: pad the labels with one ignored position instead of slicing the hidden states.
             labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         else:
             labels = shift_labels
+        return labels.reshape(-1).to(device), labels.shape
+
+    @staticmethod
+    def _flat_hidden(hidden, weight, fp32=False):
         h = hidden.reshape(-1, hidden.shape[-1])
         if h.device != weight.device:
             h = h.to(weight.device)
-        y = labels.reshape(-1).to(h.device)
         if fp32:
             h, weight = h.float(), weight.float()
         # Match the stock lm_head under autocast: its matmul runs in the autocast dtype.
@@ -141,7 +152,7 @@ class FusedLossCausalLMForward(PatchedForward):
             h, weight = h.to(dt), weight.to(dt)
         elif h.dtype != weight.dtype:
             h = h.to(weight.dtype)
-        return h, y, weight, labels.shape
+        return h, weight
 
     def _call_stock(self, args, kwargs, labels, shift_labels, num_items_in_batch):
         for name, value in (("labels", labels), ("shift_labels", shift_labels),
@@ -164,9 +175,9 @@ class FusedLossCausalLMForward(PatchedForward):
                 raise
             raise TokenIdError(detail) from err
 
-    def _warn_if_all_ignored(self, y: torch.Tensor) -> None:
-        # Checked until it fires once: the sync sits next to the one the loss makes anyway (label_summary).
-        if self._warned_all_ignored or bool((y != IGNORE_INDEX).any()):
+    def _warn_if_all_ignored(self, stats: LabelSummary) -> None:
+        # Reads the count the loss reads anyway (started at the top of the forward: no sync of its own).
+        if self._warned_all_ignored or stats.valid():
             return
         self._warned_all_ignored = True
         logger.warning("fasttune: a training batch has no label to learn from (every label is %d): its loss is "
@@ -226,14 +237,17 @@ class FusedLossCausalLMForward(PatchedForward):
         router_aux = router_logits_wanted(self.module, kwargs)  # None: not a mixture of experts
         if router_aux is not None:
             kwargs["output_router_logits"] = router_aux
-        outputs, hidden = self._backbone(args, kwargs)
         weight, bias = params
-        h, y, weight, _ = self._flat_inputs(hidden, labels, shift_labels, weight)
-        self._warn_if_all_ignored(y)
+        y, _ = self._flat_labels(labels, shift_labels, weight.device)
+        # The count the head needs on the host, queued before the layers: read there without stalling.
+        stats = LabelSummary(y, IGNORE_INDEX)
+        outputs, hidden = self._backbone(args, kwargs)
+        h, weight = self._flat_hidden(hidden, weight)
+        self._warn_if_all_ignored(stats)
         loss = fused_linear_cross_entropy(
             h, weight, y, bias, ignore_index=IGNORE_INDEX, num_items_in_batch=num_items_in_batch,
             label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
-            logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib,
+            logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib, label_stats=stats,
         )
         common = dict(logits=None, hidden_states=getattr(outputs, "hidden_states", None),
                       attentions=getattr(outputs, "attentions", None))

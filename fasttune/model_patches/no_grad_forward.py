@@ -50,13 +50,19 @@ _TRANSFORMERS_HOOK = "output_capturing_hook"  # transformers' recorder: what it 
 
 def _foreign_hooks(layer: nn.Module) -> bool:
     """Forward hooks on the layer's modules other than transformers' recorder (the layer's own hooks
-    run outside the checkpointed call and see its output, which carries the gradient)."""
-    for m in layer.modules():
-        if m is layer:
+    run outside the checkpointed call and see its output, which carries the gradient).
+
+    Walks ``_modules`` directly, every call: ``layer.modules()`` builds a generator frame, a name and a
+    memo entry per module, 0.6 ms of host time per MoE layer call (~380 modules with PEFT's wrappers)."""
+    stack = list(layer._modules.values())
+    while stack:
+        m = stack.pop()
+        if m is None:
             continue
         for hooks in (m._forward_hooks, m._forward_pre_hooks):
-            if any(getattr(h, "__name__", "") != _TRANSFORMERS_HOOK for h in hooks.values()):
+            if hooks and any(getattr(h, "__name__", "") != _TRANSFORMERS_HOOK for h in hooks.values()):
                 return True
+        stack.extend(m._modules.values())
     return False
 
 

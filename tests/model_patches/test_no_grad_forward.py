@@ -139,6 +139,29 @@ def test_forward_hooks_inside_the_layer_keep_the_recorded_forward():
     assert FUSED in reasons and any("hooks" in r for r in reasons), reasons
 
 
+def test_a_hook_deep_inside_the_layer_is_found():
+    """why_not walks every module below the layer: a pre-hook on a LoRA matrix of one projection
+    (three levels down, under PEFT's wrappers) makes that layer record its forward; transformers' own
+    recorder does not, and neither does a hook on the layer module itself."""
+    model = _model("qwen3_moe")
+    layers = model.base_model.model.model.layers
+    hidden = torch.zeros(1, 3, model.config.hidden_size)
+    assert why_not(layers[0], (), {}) is None
+    layers[0].register_forward_hook(lambda m, a, out: None)
+    assert why_not(layers[0], (), {}) is None
+
+    def output_capturing_hook(m, a, out):  # named as transformers names its recorder
+        return None
+
+    layers[0].mlp.gate.register_forward_hook(output_capturing_hook)
+    assert why_not(layers[0], (), {}) is None
+    handle = layers[0].self_attn.q_proj.lora_A["default"].register_forward_pre_hook(lambda m, a: None)
+    assert "hooks" in why_not(layers[0], (hidden,), {})
+    assert why_not(layers[1], (), {}) is None
+    handle.remove()
+    assert why_not(layers[0], (), {}) is None
+
+
 def test_autograd_grad_through_a_layer_raises_naming_the_option():
     """torch.autograd.grad cannot follow a recompute that back-propagates: asked for the input
     embeddings' gradient, the layer raises naming the option (never a wrong gradient); asked for a
