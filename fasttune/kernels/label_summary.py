@@ -23,7 +23,7 @@ class LabelSummary:
 
     def __init__(self, labels: torch.Tensor, ignore_index: int | None):
         self.labels = labels
-        self.version = labels._version  # an in-place change after the start makes the summary stale
+        self.version = _version(labels)  # an in-place change after the start makes the summary stale
         self.ignore_index = ignore_index
         self.event = None
         if labels.numel() == 0:
@@ -48,7 +48,7 @@ class LabelSummary:
 
     def matches(self, labels: torch.Tensor, ignore_index: int | None) -> bool:
         """Started for this very tensor, unchanged since, with the same ``ignore_index``."""
-        return labels is self.labels and labels._version == self.version and ignore_index == self.ignore_index
+        return labels is self.labels and _version(labels) == self.version and ignore_index == self.ignore_index
 
     def valid(self) -> int:
         """The number of non-ignored labels (no range check); waits only for the copy started in ``__init__``."""
@@ -71,6 +71,12 @@ class LabelSummary:
         if self.event is not None:
             self.event.synchronize()
         return self._host.tolist()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter; None for an inference tensor, which has none (labels made under
+    ``torch.inference_mode``, e.g. by a data pipeline; outside that mode they cannot change in place)."""
+    return None if t.is_inference() else t._version
 
 
 __all__ = ["LabelSummary"]

@@ -56,6 +56,14 @@ def test_label_summary_takes_a_started_one_only_for_the_same_unchanged_labels(de
         common.label_summary(y, 9, IGN, started)
 
 
+def test_labels_made_under_inference_mode_are_summarised(device):
+    """Inference tensors keep no version counter: the summary still starts and matches them."""
+    with torch.inference_mode():
+        y = _random_labels(device, 30, 9, 0.2, 1)
+    started = LabelSummary(y, IGN)
+    assert common.label_summary(y, 9, IGN, started) == int((y != IGN).sum())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_with_a_started_summary_gives_the_same_loss_and_gradients(device, dtype):
     h, W, b, y = make_head_inputs(device, 45, 24, 70, dtype, True, 0.3, 4)
