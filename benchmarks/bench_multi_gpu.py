@@ -1,7 +1,8 @@
 """The 8B LoRA step of bench_step.py on N GPUs with DDP, FSDP2 and DeepSpeed ZeRO-3: tokens/s scaling vs 1 GPU.
 
 Model and step as in ``bench_step.py`` (its builders are imported): random-init Llama-3.1-8B shape
-in bf16, LoRA r=16 on the seven projections, fasttune patched with "offload" checkpointing,
+in bf16 (``--weights nf4``: QLoRA, the decoder projections as bitsandbytes NF4 with the codes stored in
+bf16, FSDP2's param dtype, so its policy casts nothing), LoRA r=16 on the seven projections, fasttune patched with "offload" checkpointing,
 forward under bf16 autocast, backward, AdamW. Per GPU a micro-batch of ``--shape`` (4×2048) random
 tokens; the global batch is N of them. Phases (``--modes``; zero3 only when named), one model build each:
 
@@ -37,6 +38,7 @@ Usage (H200s, repo root; < 5 minutes for N=2):
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
     accelerate launch --num_processes 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --modes 1gpu,zero3 --out $OUT/zero3.json
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --weights nf4 --modes 1gpu,ddp,fsdp2,fsdp2-gathered
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --smoke    # CPU, gloo: checks the script
 """
 
@@ -94,6 +96,11 @@ DEFAULT_MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-gathered")  # zero3 on request: 
 SGD_EPS = 1e6  # AdamW's first step with eps this large is SGD with lr / eps (|g| ≪ eps)
 
 
+def param_dtype() -> torch.dtype:
+    """FSDP2's MixedPrecisionPolicy param_dtype here (bf16 on GPUs), also the NF4 codes' storage."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -121,7 +128,12 @@ def build(args, mode: str):
     patch report). ZeRO-3 partitions the weights before the patch, as a zero.Init load would."""
     from fasttune import FastConfig, patch_model
 
-    model = add_lora(build_base(SMOKE if args.smoke else LLAMA_8B))
+    base = build_base(SMOKE if args.smoke else LLAMA_8B)
+    if args.weights == "nf4":  # QLoRA: codes stored in the dtype FSDP2's policy hands the layers (no cast)
+        from bench_step import to_nf4
+
+        to_nf4(base, quant_storage=param_dtype())
+    model = add_lora(base)
     if mode == "zero3":
         import deepspeed
 
@@ -166,8 +178,7 @@ def wrap(model, mode: str, args):
     if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
-                                  reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype(), reduce_dtype=torch.float32)
         base = model.get_base_model()
         layers = list(base.model.layers)
         for layer in layers:
@@ -317,6 +328,9 @@ def run_mode(mode: str, args, world: int) -> dict:
     if mode == "zero3" and importlib.util.find_spec("deepspeed") is None:
         row["error"] = "skipped: deepspeed is not installed"
         return row
+    if mode == "zero3" and args.weights == "nf4":
+        row["error"] = "skipped: NF4 bases under ZeRO-3 are not measured by this script"
+        return row
     t0 = time.perf_counter()
     try:
         model, report = build(args, mode)
@@ -368,11 +382,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--checkpointing", default="offload", choices=("offload", "recompute", "auto"))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "nf4"),
+                   help="the frozen bases: bf16, or NF4 codes (QLoRA) stored in the FSDP2 param dtype")
     p.add_argument("--sgd-step", type=float, default=1.0, help="L2 length of the loss check's SGD update")
     p.add_argument("--rtol", type=float, default=2e-2, help="loss/grad-norm agreement with 1 GPU (bf16 rounding)")
     p.add_argument("--budget-s", type=float, default=270.0, help="modes not started by then are skipped")
     p.add_argument("--out", help="write the results as JSON here (rank 0)")
     p.add_argument("--smoke", action="store_true", help="tiny model (CPU/gloo or GPU): checks the script")
+    p.add_argument("--one-rank", action="store_true", help="run the distributed modes on a world of one too: "
+                   "the wrappers' code paths on one GPU (nothing sharded, no scaling measured)")
     args = p.parse_args(argv)
     args.modes = [m for m in MODES if m in args.modes.split(",")]
     b, s = args.shape.lower().split("x")
@@ -396,11 +414,12 @@ def main(argv=None) -> None:
 
     info = dict(torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
                 world_size=world, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                shape=f"{args.shape[0]}x{args.shape[1]}", checkpointing=args.checkpointing, smoke=args.smoke)
+                shape=f"{args.shape[0]}x{args.shape[1]}", checkpointing=args.checkpointing, weights=args.weights,
+                smoke=args.smoke)
     log(" ".join(f"{k}={v}" for k, v in info.items()))
     rows = []
     for mode in args.modes:
-        if mode != "1gpu" and world == 1:
+        if mode != "1gpu" and world == 1 and not args.one_rank:
             continue
         go = torch.tensor(int(time.time() - t_start < args.budget_s), device=device())  # NCCL: on the GPU
         dist.broadcast(go, 0)  # every rank skips or runs the same modes

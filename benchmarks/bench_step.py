@@ -140,8 +140,10 @@ def build_base(shape: dict, model_type: str = "llama"):
     return model
 
 
-def to_nf4(model) -> None:
-    """Each decoder nn.Linear → bitsandbytes NF4 Linear4bit quantised from its weight (as QLoRA loads)."""
+def to_nf4(model, quant_storage=torch.uint8) -> None:
+    """Each decoder nn.Linear → bitsandbytes NF4 Linear4bit quantised from its weight (as QLoRA loads);
+    ``quant_storage``: the dtype holding the packed codes (a float one for FSDP, as
+    ``bnb_4bit_quant_storage``)."""
     import bitsandbytes as bnb
 
     compute = torch.bfloat16 if device() == "cuda" else torch.float32
@@ -151,9 +153,11 @@ def to_nf4(model) -> None:
                 if type(lin) is not torch.nn.Linear:
                     continue
                 q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                      compute_dtype=compute, compress_statistics=True, quant_type="nf4", device="meta")
+                                      compute_dtype=compute, compress_statistics=True, quant_type="nf4", device="meta",
+                                      quant_storage=quant_storage)
                 q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
-                                             quant_type="nf4", module=q).to(lin.weight.device)  # quantises
+                                             quant_type="nf4", module=q, quant_storage=quant_storage
+                                             ).to(lin.weight.device)  # quantises
                 if lin.bias is not None:  # Qwen2's q/k/v: the bias stays 16-bit, as QLoRA loads it
                     q.bias = lin.bias
                 setattr(parent, name, q)
@@ -457,6 +461,7 @@ def host_profile(step: Step, rows: int = 70, dump: str | None = None) -> str:
     prof.disable()
     sync()
     if dump:
+        os.makedirs(os.path.dirname(dump) or ".", exist_ok=True)
         prof.dump_stats(dump)
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
@@ -553,7 +558,8 @@ def worker(stack: str, args) -> None:
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
                 if stack in args.host_profile:
-                    row["host_profile"] = host_profile(step)
+                    row["host_profile"] = host_profile(step, dump=os.path.join(
+                        args.trace, f"{stack}_{weights}_{b}x{s}.pstats") if args.trace else None)
                     log(row["host_profile"])
             except torch.OutOfMemoryError:
                 row["error"] = "out of memory"

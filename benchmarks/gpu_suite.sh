@@ -21,7 +21,8 @@
 #   vlm       bench_vlm.py: Qwen2.5-VL-7B shape with images, hf / fasttune / unsloth (VLM_ARGS) VLM_S=560
 #   launch    accelerate launch examples/multi_gpu/train.py over every GPU with ddp.yaml,
 #             fsdp2.yaml and deepspeed_zero3.yaml: the embedded model (full fine-tuning) and
-#             a LoRA run of it saved to a folder (FastTrainer's on_train_begin setup)  LAUNCH_S=100 each
+#             a LoRA run of it saved to a folder (FastTrainer's on_train_begin setup), and a QLoRA run
+#             (--load-in-4bit) with ddp.yaml and fsdp2.yaml                         LAUNCH_S=100 each
 # Logs and JSON land in OUTDIR; at most 8 files come back from a device call, so tar OUTDIR into $OUT:
 #   bash benchmarks/gpu_suite.sh /tmp/r step kernels,tests,trl,generate; tar czf $OUT/r.tgz -C /tmp r
 set -u
@@ -75,7 +76,8 @@ launch_examples() {  # every accelerate config of examples/multi_gpu, full fine-
     python3 -c "from fasttune import embedded; t = embedded.build_tokenizer(); m = embedded.build_model(t); \
 m.save_pretrained('/tmp/ft_embedded'); t.save_pretrained('/tmp/ft_embedded')" || return 1
     for cfg in ddp fsdp2 deepspeed_zero3; do
-        for model in "" /tmp/ft_embedded; do
+        for model in "" /tmp/ft_embedded "/tmp/ft_embedded --load-in-4bit"; do
+            [ "$cfg" = deepspeed_zero3 ] && [ "${model#*--load-in-4bit}" != "$model" ] && continue  # QLoRA: DDP, FSDP2
             echo "=== $cfg ${model:-embedded (full)}"
             timeout "${LAUNCH_S:-100}" python3 -m accelerate.commands.launch --num_processes "$n" \
                 --config_file "examples/multi_gpu/$cfg.yaml" examples/multi_gpu/train.py --steps 30 \

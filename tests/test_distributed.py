@@ -152,6 +152,35 @@ def test_fsdp2_lm_head_in_root_unit_and_dtensor_lm_head(tmp_path):
 
 @needs_dist
 @pytest.mark.distributed
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+def test_fsdp2_qlora_nf4_codes_sharded_match_one_process(tmp_path):
+    """QLoRA under FSDP2 (issue 24): a checkpoint loaded in NF4 with ``bnb_4bit_quant_storage`` float32
+    or bfloat16, sharded by accelerate's FSDP2 preparation. Each rank holds half of every projection's
+    codes; the fused NF4 LoRA path (its dequantiser counted) and the fused loss run on every rank, no
+    call falls back; loss and every adapter gradient equal one unsharded process (fp32 compute); the
+    export gathers the very codes back."""
+    cases = ("qlora", "qlora_bf16_storage")
+    ranks = launch("fsdp2", tmp_path, *cases)
+    for i, name in enumerate(cases):
+        for r, rank in enumerate(ranks):
+            case = rank["cases"][i]
+            assert case["case"] == name and case["kind"] == "dtensor"
+            dtype, local, whole = case["codes"]
+            assert dtype == ("torch.bfloat16" if name == "qlora_bf16_storage" else "torch.float32")
+            assert 2 * local == whole, f"rank {r} {name}: {local} of {whole} code elements"
+            assert case["layer_param_types_after_forward"] == ["DTensor"]
+            assert all(outcome == "fused" for outcome in (k.split("/", 1)[1] for k in case["calls"])), case["calls"]
+            assert case["calls"]["lora_qkv/fused"] == case["calls"]["lora_mlp/fused"] == 8  # 2 layers x 2 steps x 2
+            assert all(s["nf4_dequantized"] > 0 for s in case["steps"]), f"rank {r} {name}: NF4 path not taken"
+        _check_kernel_inputs(ranks, i, "torch.float32")
+        case = ranks[0]["cases"][i]
+        _check_fp32_steps(case)
+        assert case["export_codes_equal"] == [14, True] and case["export_err"] <= 1e-6
+        assert case["after_export_types"] == ["DTensor"]
+
+
+@needs_dist
+@pytest.mark.distributed
 def test_fast_trainer_ddp_exports_and_pushes_on_rank_0_only(tmp_path):
     """FastTrainer on 2 ranks (accelerate's DDP): DDP built with find_unused_parameters=False under
     fasttune's checkpointing, the same losses on both ranks, the adapter written and pushed once."""
@@ -164,6 +193,37 @@ def test_fast_trainer_ddp_exports_and_pushes_on_rank_0_only(tmp_path):
     assert "adapter_model.safetensors" in ranks[0]["export"]["adapter_files"]
     assert ranks[0]["calls"] == {"export_artifacts": 1, "push_to_hub": 1}
     assert ranks[1]["calls"] == {"export_artifacts": 0, "push_to_hub": 0}
+
+
+@needs_dist
+@pytest.mark.distributed
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
+def test_dpo_trainer_on_two_ranks_matches_one_process(tmp_path):
+    """TRL's DPOTrainer + FastPatchCallback under accelerate's DDP (2 gloo ranks × 2 pairs) against one
+    process with the same 4 pairs per step (issue 24's DPO run, on the CPU): the fused head answered
+    every policy and reference pass on each rank, both ranks logged and trained the same, and the
+    logged metrics and the trained adapter equal one process's. Not compared: rewards/accuracies,
+    a count of margins > 0 that flips on rounding where the margins are ~0."""
+    one = launch("dpo", tmp_path / "one", "4", world_size=1)[0]
+    two = launch("dpo", tmp_path / "two", "2")
+    beta = 0.5
+    for rank in two:
+        assert rank["wrapped"] == "DistributedDataParallel" and rank["world"] == 2
+        assert rank["calls"]["cross_entropy/fused"] == one["calls"]["cross_entropy/fused"] == 4  # 2 steps × 2 passes
+        assert not [k for k in rank["calls"] if k.startswith(("cross_entropy/", "lora_")) and not k.endswith("/fused")]
+        assert rank["logs"] == two[0]["logs"] and rank["adapter"] == two[0]["adapter"]
+    assert len(one["logs"]) == len(two[0]["logs"]) == 2
+    for step, (a, b) in enumerate(zip(two[0]["logs"], one["logs"])):
+        assert a.keys() == b.keys() and "loss" in b
+        logps = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))  # rewards = β·(logp − ref_logp): sums
+        for k, v in b.items():
+            if k == "rewards/accuracies":
+                continue
+            scale = max(abs(v), 2 * beta * logps if k.startswith("rewards/") else 0.0)
+            assert abs(a[k] - v) <= RTOL * scale + 1e-7, (step, k, a[k], v)
+    assert one["adapter"].keys() == two[0]["adapter"].keys() and one["adapter"]
+    for name, values in one["adapter"].items():
+        assert rel_err(torch.tensor(two[0]["adapter"][name]), torch.tensor(values)) <= RTOL, name
 
 
 # --- DeepSpeed ZeRO-3 ------------------------------------------------------------------------------------

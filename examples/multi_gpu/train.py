@@ -3,6 +3,8 @@
     accelerate launch --config_file examples/multi_gpu/ddp.yaml examples/multi_gpu/train.py
     accelerate launch --config_file examples/multi_gpu/fsdp2.yaml examples/multi_gpu/train.py \\
         --model Qwen/Qwen2.5-0.5B --dataset my.jsonl --export adapter merged
+    accelerate launch --config_file examples/multi_gpu/fsdp2.yaml examples/multi_gpu/train.py \
+        --model Qwen/Qwen2.5-0.5B --load-in-4bit                  # QLoRA: NF4 codes sharded by FSDP2
     torchrun --nproc_per_node 2 examples/multi_gpu/train.py      # DDP without an accelerate config
 
 Without ``--model`` it trains the embedded default (a small Llama built in-process, tied
@@ -33,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded model)")
     p.add_argument("--dataset", default=None, help="local json/jsonl/csv or Hub id with prompt/completion columns")
     p.add_argument("--full", action="store_true", help="full fine-tuning of a --model (default: LoRA r=16)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: a --model's linear layers in NF4 (under FSDP the codes are stored in bf16 and sharded)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--per-device-batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=512, help="tokens per row (embedded task: 32)")
@@ -80,12 +84,14 @@ def _model(args, fast: FastConfig, zero3: bool):
     # One full copy per GPU (DDP, FSDP2 before sharding); ZeRO-3 places the partitions itself.
     placement = {"device_map": None} if zero3 else {}
     model, tok = load_model(args.model, max_seq_length=args.max_length, lora=None if args.full else LoraSpec(),
-                            fast_config=fast, **placement)
+                            load_in_4bit=args.load_in_4bit, fast_config=fast, **placement)
     return model, tok, args.max_length
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.load_in_4bit and (args.model is None or args.full):
+        raise SystemExit("--load-in-4bit needs --model and LoRA (not --full)")
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
                         format="%(message)s")
     cuda = torch.cuda.is_available()

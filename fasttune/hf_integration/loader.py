@@ -11,7 +11,8 @@ What it does, in order (every option is checked before anything is read or downl
    traceback. Local folders load with ``HF_HUB_OFFLINE=1``.
 2. Load with transformers: ``dtype`` None/"auto" → bfloat16 on a GPU that supports it, float16 on
    older GPUs, float32 on CPU. ``load_in_4bit`` → bitsandbytes NF4 with double quantisation and
-   ``dtype`` as the compute dtype (CUDA, or CPU with bitsandbytes ≥ 0.46). The model goes to
+   ``dtype`` as the compute dtype (CUDA, or CPU with bitsandbytes ≥ 0.46); under ``accelerate launch``
+   with FSDP the codes are stored in ``dtype`` too (``bnb_4bit_quant_storage``), so FSDP shards them. The model goes to
    ``cuda:$LOCAL_RANK`` when CUDA is present (pass ``device_map=...`` to override).
 3. ``max_seq_length`` → ``tokenizer.model_max_length``, checked against the context the config
    declares (``max_position_embeddings``, or ``original_max_position_embeddings × factor`` when the
@@ -150,9 +151,12 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
+        # Under FSDP the packed codes are sharded and gathered like any parameter: held in the compute
+        # dtype (a float), not uint8, which FSDP2 cannot shard with the rest of its unit.
+        storage = dict(bnb_4bit_quant_storage=dtype) if _fsdp_enabled() else {}
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype)
+            bnb_4bit_compute_dtype=dtype, **storage)
     kwargs.update(model_kwargs)
     try:
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
@@ -229,6 +233,11 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if resolved is torch.bfloat16 and str(device).startswith("cuda") and not torch.cuda.is_bf16_supported():
         raise ValueError("dtype=bfloat16: this GPU has no bfloat16 support; use dtype='float16' (or 'auto')")
     return resolved
+
+
+def _fsdp_enabled() -> bool:
+    """True under ``accelerate launch`` with an FSDP config (accelerate's own variable)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
 def _zero3_enabled() -> bool:

@@ -28,6 +28,21 @@ from .zero3 import is_zero3_param, zero3_ready
 __all__ = ["lora_spec"]
 
 
+def _check_code_storage(layer: nn.Module, weight: torch.Tensor, quant_state) -> None:
+    """NF4 codes are bytes held in a tensor of the storage dtype (``bnb_4bit_quant_storage``). A cast of
+    that tensor (an FSDP2 ``MixedPrecisionPolicy`` whose param_dtype differs from the storage, a
+    ``model.to(dtype)``) keeps the values, not the bytes: every number read from it would be wrong,
+    on the fused path and on bitsandbytes' own alike, so refuse it by name."""
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        return  # bitsandbytes' CPU inference layout: uint8 by design (model_patches/lora.py falls back on it)
+    storage = getattr(weight, "quant_storage", None) or module_attr(layer, "quant_storage")
+    if isinstance(storage, torch.dtype) and weight.dtype != storage:
+        raise TypeError(f"the NF4 codes of this {type(layer).__name__} are {weight.dtype} but were stored as "
+                        f"{storage} (bnb_4bit_quant_storage): a cast turned the packed bytes into other numbers. "
+                        f"Under FSDP2, give MixedPrecisionPolicy a param_dtype equal to bnb_4bit_quant_storage "
+                        f"(accelerate's FSDP2 preparation drops the policy for 4-bit models)")
+
+
 def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight | str:
     """The frozen weight (and bias) of a plain linear or bitsandbytes NF4 layer."""
     weight = module_attr(layer, "weight")
@@ -57,6 +72,7 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
             return "bitsandbytes Linear4bit weight is not quantized yet (move the model to its device first)"
         if getattr(quant_state, "quant_type", None) != "nf4":
             return f"4-bit quant_type {getattr(quant_state, 'quant_type', None)!r}, only nf4 is fused"
+        _check_code_storage(layer, weight, quant_state)
         return BaseWeight(weight.data, quant_state, None if bias is None else bias.detach())
     if not isinstance(layer, nn.Linear) or weight.dim() != 2 or not weight.is_floating_point():
         return f"base layer {type(layer).__name__} is not a linear layer"

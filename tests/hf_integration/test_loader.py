@@ -439,3 +439,28 @@ def test_4bit_without_bitsandbytes_or_on_unsupported_device(monkeypatch):
     with pytest.raises(ValueError, match=r"load_in_4bit=True on CPU.*no CPU kernels"):
         load_model("/nonexistent", load_in_4bit=True, device_map={"": "cpu"})
 
+
+
+def test_load_4bit_under_fsdp_stores_the_codes_in_the_compute_dtype(saved, monkeypatch):
+    """Under ``accelerate launch`` with FSDP (ACCELERATE_USE_FSDP) the NF4 codes are held in the compute
+    dtype (``bnb_4bit_quant_storage``), a float tensor FSDP2 shards with the rest of its unit: the
+    same bytes as the uint8 load, so the same loss and adapter gradients, bit for bit, on the fused path."""
+    bnb = pytest.importorskip("bitsandbytes")
+    runs = {}
+    for fsdp in ("false", "true"):
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", fsdp)
+        model, tok = load_model(saved, load_in_4bit=True, dtype="bfloat16", lora=LoraSpec(r=4, seed=0))
+        quantised = [m for m in model.get_base_model().modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert len(quantised) == 2 * len(LORA_TARGETS)
+        assert {m.weight.dtype for m in quantised} == {torch.bfloat16 if fsdp == "true" else torch.uint8}
+        assert not patch_report(model).fallbacks, str(patch_report(model))
+        model.train()
+        batch = _bos_batch(tok, next(model.parameters()).device)
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        runs[fsdp] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+                      [m.weight.data.reshape(-1).view(torch.uint8) for m in quantised])
+    (loss_a, grads_a, codes_a), (loss_b, grads_b, codes_b) = runs["false"], runs["true"]
+    assert all(torch.equal(a, b) for a, b in zip(codes_a, codes_b))
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

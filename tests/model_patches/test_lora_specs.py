@@ -167,3 +167,25 @@ def test_zero3_weights_fused_only_when_gathered_for_the_caller(device):
     registered.extend(params[1:])
     base, a, b, _ = lora_spec(q, zero3_owner=block)
     assert base.weight is params[0] and (a, b) == params[1:]
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_nf4_codes_cast_out_of_their_storage_dtype_are_refused(device, storage):
+    """NF4 codes stored in a float dtype (``bnb_4bit_quant_storage``, FSDP2 QLoRA) read as bytes: the
+    spec takes them as stored, and refuses them by name once a cast (an FSDP2 MixedPrecisionPolicy
+    param_dtype other than the storage, as a plain tensor the way FSDP2 hands it) changed the bytes."""
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(D, Q, bias=False, compute_dtype=torch.float32, quant_type="nf4",
+                              quant_storage=storage)
+    layer.weight = bnb.nn.Params4bit(torch.randn(Q, D), requires_grad=False, quant_type="nf4",
+                                     quant_storage=storage, module=layer)  # the layer keeps a quant_state copy
+    layer = layer.to(device)
+    base = lora_spec(layer)[0]
+    assert base.is_nf4 and base.weight.dtype == storage
+    other = torch.bfloat16 if storage == torch.float32 else torch.float32
+    packed = layer.weight.data
+    layer.weight = nn.Parameter(packed.to(other), requires_grad=False)  # FSDP2's unsharded plain tensor, cast
+    with pytest.raises(TypeError, match="bnb_4bit_quant_storage"):
+        lora_spec(layer)
+    layer.weight = nn.Parameter(packed.clone(), requires_grad=False)  # the same bytes, quant_state on the layer
+    assert lora_spec(layer)[0].is_nf4

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.dist_trl import scenario_dpo  # noqa: F401 - a scenario, dispatched by name in main()
+
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 1001  # odd: lm_head rows split unevenly over 2 ranks
 
@@ -111,6 +113,39 @@ def _model(lora: bool, tied: bool = False, seed: int = 0):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                             "up_proj", "down_proj"]))
+
+
+def _qlora_checkpoint(seed: int = 0) -> str:
+    """The tiny llama (widths multiples of 64, as bitsandbytes' CPU path wants) saved by rank 0 (the
+    only rank transformers writes from) into the run's folder; every rank returns its path."""
+    import torch.distributed as dist
+    from helpers.tiny_models import tiny_model
+
+    path = str(Path.cwd() / "qlora-checkpoint")
+    if dist.get_rank() == 0:
+        tiny_model("llama", vocab_size=VOCAB, seed=seed, hidden_size=128, head_dim=32,
+                   intermediate_size=256).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def _qlora_model(path: str, storage, seed: int = 0):
+    """``path`` loaded as QLoRA people shard it: NF4 with double quantisation and the codes stored in
+    a float dtype (``bnb_4bit_quant_storage=storage``: FSDP2 shards them as a float tensor), fp32
+    compute; LoRA r=4 on every projection."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=storage)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32,
+                                                 attn_implementation="eager", device_map="cpu")
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"]))
+    return model.train()  # from_pretrained leaves eval mode; the Trainer trains in train mode
 
 
 def _patched(model, checkpointing="offload", base_dtype="auto"):
@@ -279,13 +314,20 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
         "bf16": (False, False, "accelerate", "bf16"),
         "lora_gathered": (True, False, "accelerate", "no"),
         "lora_fp8": (True, False, "accelerate", "no"),
+        "qlora": (True, False, "accelerate", "no"),
+        "qlora_bf16_storage": (True, False, "accelerate", "no"),
     }[name]
     # "lora_gathered" checkpoints with "auto": the gathered layers' memory is reserved from its budget.
     # "lora_fp8": FP8 bases (uint8 codes sharded by rows, scales whole on every rank), "auto" checkpointing.
     base_dtype = "fp8" if name == "lora_fp8" else "auto"
-    model, patched = _patched(_model(lora=lora, tied=tied), "auto" if name in ("lora_gathered", "lora_fp8")
-                              else "offload", base_dtype)
-    ref, _ = _patched(_model(lora=lora, tied=tied), base_dtype=base_dtype) if rank == 0 else (None, None)
+    path = _qlora_checkpoint() if name.startswith("qlora") else None
+    storage = torch.bfloat16 if name == "qlora_bf16_storage" else torch.float32
+    build = (lambda: _qlora_model(path, storage)) if path else (lambda: _model(lora=lora, tied=tied))
+    import fasttune.kernels.lora as lora_kernels
+
+    dequant = _Counter(lora_kernels, "dequantize_nf4") if path else None  # the fused NF4 path's dequantiser
+    model, patched = _patched(build(), "auto" if name in ("lora_gathered", "lora_fp8") else "offload", base_dtype)
+    ref, _ = _patched(build(), base_dtype=base_dtype) if rank == 0 else (None, None)
     if layout == "accelerate":
         model = _accelerate_fsdp2(model, rank, mp)
     elif layout == "root":
@@ -293,6 +335,9 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
     else:
         model = _dtensor_lm_head(model)
     out = {"case": name, "patched": patched, "kind": sharding_kind(model), "steps": []}
+    if path:  # one projection's NF4 codes: this rank's shard and the whole tensor, in elements of the storage
+        codes = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").base_layer.weight
+        out["codes"] = [str(codes.dtype), codes.to_local().numel(), codes.numel()]
     if name == "lora_gathered":  # what FastTrainer does at train begin, with the setting forced (no CUDA here)
         from fasttune import FastConfig
         from fasttune.hf_integration.distributed import DistributedHeadCallback, keep_adapter_layers_gathered
@@ -313,6 +358,7 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
         n = _n_items(batch)
         for s in spies.values():
             s.take()
+        dequant_before = dequant.calls if dequant else 0
         loss = model(**_shard(batch, rank, world), num_items_in_batch=n).loss * world
         # Between forward and backward: decoder-layer weights still gathered (plain tensors) or resharded (DTensor).
         out.setdefault("layer_param_types_after_forward", sorted({
@@ -324,7 +370,8 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
                 if p.grad is not None and type(p.grad) is torch.Tensor:
                     dist.all_reduce(p.grad)
                     p.grad /= world
-        record = {"head_calls": spies["head"].take(), "norm_calls": sorted(set(map(tuple, spies["norm"].take())))}
+        record = {"head_calls": spies["head"].take(), "norm_calls": sorted(set(map(tuple, spies["norm"].take()))),
+                  "nf4_dequantized": dequant.calls - dequant_before if dequant else 0}
         summed = loss.detach().float() / world
         dist.all_reduce(summed)
         grads = {k: _local(p.grad) for k, p in model.named_parameters() if p.grad is not None}  # collective
@@ -347,9 +394,18 @@ def _fsdp_case(name: str, rank: int, world: int, batches, spies) -> dict:
                 mine = {k: p for k, p in m.named_parameters()}
                 ref_params = dict(ref.named_parameters())
                 out["export_types"] = sorted({type(p.data).__name__ for p in mine.values()})
-                out["export_err"] = max(_rel(p, ref_params[k]) for k, p in mine.items())
+                codes = {k for k in mine if k.endswith("base_layer.weight")} if path else set()
+                out["export_err"] = max(_rel(p, ref_params[k]) for k, p in mine.items() if k not in codes)
+                if codes:  # NF4 codes stored as float32: compared as bytes (some patterns read as NaN)
+                    out["export_codes_equal"] = [len(codes), all(torch.equal(
+                        mine[k].detach().reshape(-1).view(torch.uint8), ref_params[k].detach().reshape(-1).view(
+                            torch.uint8)) for k in codes)]
                 out["export_tied"] = m.get_output_embeddings().weight is m.get_input_embeddings().weight
         out["after_export_types"] = sorted({type(p).__name__ for p in model.parameters()})
+    if path:
+        from fasttune.model_patches.patch import patch_report
+
+        out["calls"] = {f"{op}/{why}": n for (op, why), n in patch_report(model).calls.items()}
     if base_dtype == "fp8":
         out["fp8_calls"] = _fp8_calls(model)
         out["sharded_base_dtypes"] = sorted({f"{type(m.get_base_layer().weight).__name__} "
