@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers.dist_trl import scenario_dpo  # noqa: F401 - a scenario, dispatched by name in main()
+from helpers.dist_trl import scenario_dpo, scenario_grpo  # noqa: F401 - scenarios, dispatched by name in main()
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 1001  # odd: lm_head rows split unevenly over 2 ranks
