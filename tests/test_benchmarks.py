@@ -7,6 +7,7 @@ catch the breakage here first (a stack that errors, a model that outlives its wo
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -202,3 +203,13 @@ def test_ab_no_grad_forward_smoke(tmp_path):
     assert "RESULT no_grad_forward" in stdout and "RESULT recorded" in stdout, stdout
     assert result["no_grad_forward"]["ms"] > 0 and result["recorded"]["ms"] > 0
     assert result["calls"].get("no_grad_forward/fused", 0) > 0, result["calls"]
+
+
+@pytest.mark.slow
+def test_ab_forward_graphs_smoke(tmp_path):
+    """The forward-graphs A/B script runs end to end (on a CPU: the eager arm only, nothing captured)."""
+    out = tmp_path / "ab.json"
+    stdout = _run(["benchmarks/ab_forward_graphs.py", "--smoke", "--out", str(out)], 600)
+    result = json.loads(out.read_text())
+    assert "RESULT run eager" in stdout and result["eager"]["ms"] > 0, stdout
+    assert result["captured"] == result["replays"] == 0 and all(map(math.isfinite, result["eager"]["losses"]))
