@@ -31,29 +31,35 @@ import bench_step as common  # noqa: E402
 import torch  # noqa: E402
 
 
-def _one(step: common.Step) -> dict:
+def one_step(step: common.Step) -> dict:
+    """One synchronised step: its ms, the host ms to launch forward and backward, its loss."""
     common.sync()
     step.phases, step.clocks = [], []
     t0 = time.perf_counter()
-    step()
+    loss = step()
     common.sync()
     ms = (time.perf_counter() - t0) * 1e3
     phases = step.phase_ms()
     step.phases = None
     host = phases[0]["host"] if phases else [float("nan")] * 3
-    return dict(ms=ms, host_forward=host[0], host_backward=host[1] - host[0])
+    return dict(ms=ms, host_forward=host[0], host_backward=host[1] - host[0], loss=float(loss))
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def ab_arguments(description: str, warmup: int) -> argparse.ArgumentParser:
+    """The options of an in-process A/B on bench_moe_step.py's model."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(moe.MODELS))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--shape", default="4x2048", help="batch x sequence")
     p.add_argument("--pairs", type=int, default=8, help="steps per arm (alternating)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny model: checks the script, measures nothing")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = ab_arguments(__doc__.split("\n")[0], warmup=2).parse_args(argv)
     b, s = (int(v) for v in args.shape.lower().split("x"))
     margv = ["--model", args.model, "--stacks", "fasttune", "--ckpt-dir", "", "--shapes", args.shape]
     margv += ["--smoke"] if args.smoke else ["--layers", str(args.layers)]
@@ -77,11 +83,12 @@ def main(argv=None) -> None:
     for i in range(args.pairs):
         for flag in ((True, False) if i % 2 == 0 else (False, True)):
             state.no_grad_forward = flag
-            arms[flag].append(_one(step))
+            arms[flag].append(one_step(step))
     result = dict(model=args.model, layers=args.layers, shape=f"{b}x{s}", torch=torch.__version__)
     for flag, name in ((True, "no_grad_forward"), (False, "recorded")):
         rows = arms[flag]
-        result[name] = {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
+        result[name] = {k: round(statistics.median(r[k] for r in rows), 1) for k in ("ms", "host_forward",
+                                                                                     "host_backward")}
         result[name]["ms_all"] = [round(r["ms"], 1) for r in rows]
         print(f"RESULT {name}: median {result[name]['ms']} ms/step, host forward {result[name]['host_forward']} ms, "
               f"host backward {result[name]['host_backward']} ms; steps {result[name]['ms_all']}", flush=True)

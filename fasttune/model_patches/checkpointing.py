@@ -279,8 +279,8 @@ class LayerCheckpointing:
         # Default: on for MoE families (host-bound layers), off for dense ones (GPU-bound: no_grad_forward.py).
         self.no_grad_forward = moe if config.checkpoint_no_grad_forward is None else config.checkpoint_no_grad_forward
         self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
-        self._hf_flags: list[nn.Module] = []
-        self._warned = False
+        self.graphs = no_grad_forward.forward_graphs(config)  # those forwards replayed from CUDA graphs, or None
+        self._hf_flags, self._warned = [], False
 
     @property
     def decision(self) -> AutoDecision | None:
@@ -368,10 +368,10 @@ class CheckpointedLayerForward(PatchedForward):
         kwargs = self._without_cache(kwargs)
         stash = self.state.stash if how == OFFLOAD else None
         fn = ForwardThenRecompute(self.stock, stash.new_layer() if stash is not None else None)
-        without_graph = no_grad_forward.chosen(self, stash is not None, args, kwargs)
+        without_graph, graphs = no_grad_forward.chosen(self, stash is not None, args, kwargs), self.state.graphs
         with self.state.checkpointer.offloading(hidden) if how == OFFLOAD else contextlib.nullcontext():
             if without_graph:
-                return no_grad_forward.run_without_graph(fn, hidden, args, kwargs, self.module)
+                return no_grad_forward.run_without_graph(fn, hidden, args, kwargs, self.module, graphs, self.calls)
             return checkpoint(fn, hidden, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def _plan_and_run(self, hidden: torch.Tensor, args: tuple, kwargs: dict):

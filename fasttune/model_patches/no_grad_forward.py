@@ -38,6 +38,7 @@ import logging
 import torch
 from torch import nn
 
+from .forward_graphs import ForwardGraphs
 from .instance import graphless_training
 from .layer_records import LayerRecords
 from .report import FUSED
@@ -121,7 +122,7 @@ class RecomputedLayer(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         records = LayerRecords()
         with graphless_training():
-            out = run(hidden)
+            out = run(hidden) if run.graphs is None else run.graphs.run(run, hidden, run.layer, run.counts)
         ctx.save_for_backward(hidden)
         # What transformers recorded inside the layer (router logits) leaves as outputs too, so it
         # carries a gradient; the recompute records it again (layer_records.py).
@@ -160,12 +161,18 @@ class RecomputedLayer(torch.autograd.Function):
         return None, (h.grad if ctx.hidden_grad else None), None
 
 
+def forward_graphs(config) -> ForwardGraphs | None:
+    """A model's CUDA graphs of these forwards (``FastConfig.checkpoint_forward_graphs``), or None."""
+    return ForwardGraphs() if config.checkpoint_forward_graphs else None
+
+
 class LayerCall:
     """The layer call ``RecomputedLayer`` runs: ``fn(hidden, *args, **kwargs)``, with ``fn`` a
     ``ForwardThenRecompute`` (its first call is the forward, the next the recompute)."""
 
-    def __init__(self, fn, args: tuple, kwargs: dict):
+    def __init__(self, fn, args: tuple, kwargs: dict, graphs=None, layer=None, counts=None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.graphs, self.layer, self.counts = graphs, layer, counts  # forward_graphs.py, when on
         self.single, self.n_out, self.records, self.slots = True, 1, None, []  # set by the forward
 
     def __call__(self, hidden):
@@ -198,10 +205,13 @@ def chosen(fwd, stashed: bool, args: tuple, kwargs: dict) -> bool:
     return why is None
 
 
-def run_without_graph(fn, hidden: torch.Tensor, args: tuple, kwargs: dict, layer: nn.Module | None = None):
+def run_without_graph(fn, hidden: torch.Tensor, args: tuple, kwargs: dict, layer: nn.Module | None = None,
+                      graphs=None, counts=None):
     """``fn(hidden, *args, **kwargs)`` through ``RecomputedLayer``. Its output requires grad even where
-    ``hidden`` does not when ``layer`` has parameters that do (layer 0 under frozen embeddings)."""
-    call = LayerCall(fn, args, kwargs)
+    ``hidden`` does not when ``layer`` has parameters that do (layer 0 under frozen embeddings).
+    ``graphs``: the model's ``forward_graphs.ForwardGraphs`` (the forward replayed from a CUDA graph),
+    with ``counts``, the report's call counter; None: eager."""
+    call = LayerCall(fn, args, kwargs, graphs if layer is not None else None, layer, counts)
     if not hidden.requires_grad and not (layer is not None and any(p.requires_grad for p in layer.parameters())):
         with torch.no_grad():
             return call(hidden)
@@ -211,4 +221,4 @@ def run_without_graph(fn, hidden: torch.Tensor, args: tuple, kwargs: dict, layer
     return outputs[0] if call.single else tuple(outputs[:call.n_out])
 
 
-__all__ = ["OP", "RecomputedLayer", "chosen", "run_without_graph", "why_not"]
+__all__ = ["OP", "RecomputedLayer", "chosen", "forward_graphs", "run_without_graph", "why_not"]

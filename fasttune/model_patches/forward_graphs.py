@@ -1,0 +1,192 @@
+"""A checkpointed layer's forward without autograd, replayed from a CUDA graph (opt-in).
+
+``FastConfig.checkpoint_forward_graphs``. A layer run by ``no_grad_forward.RecomputedLayer`` does
+nothing in its forward but compute its output: no graph is recorded, nothing is saved but its input.
+That forward can then be captured once as a CUDA graph and replayed: one launch instead of a mixture-
+of-experts layer's ~70 and the Python around them. The host then reaches the backward ~40 ms ahead of
+the GPU on 8 Qwen3-30B-A3B layers and keeps it busy to the end (H200: 119.9 → 97.5 ms/step on a host
+that could not keep up, 102.0 → 97.3 on one that could; benchmarks/RESULTS.md). The price: the graphs'
+memory pool keeps one layer's forward working set reserved for the whole step (+1.0 GiB there).
+
+What a replay must reproduce, and how:
+- the same computation: a graph per layer and per *layout*: the input tensors' shapes, dtypes and
+  devices, the other arguments (by ``repr``), autocast's state, and the Python state that steers the
+  layer's code: every module's ``training`` flag and PEFT's adapter switches (disabled, active
+  adapter, merged). Another layout is captured anew; a layer whose parameters or buffers moved
+  (re-homed, ``.to()``) is captured again, the old graph dropped.
+- the same inputs: copied into static buffers before each replay; the output is copied out.
+- what the Python of the call leaves behind: fasttune's call counts of the layer's ops (the capture's
+  counts are added again at each replay), the forward's fused-LoRA decisions that its recompute reuses
+  (``checkpointing.layer_memo``), and the forward's place in its ``ForwardThenRecompute``.
+- Left eager: dropout with p > 0 in training (its random numbers are the recompute's to repeat), a
+  layer whose call records tensors for transformers (router logits under ``output_router_logits``:
+  a replay would not record them), a layout seen fewer than ``WARM_CALLS`` times (Triton compiles and
+  autotunes on the first calls), and a capture that fails (logged once, with the reason). CPU tensors
+  never take graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .layer_records import LayerRecords
+
+logger = logging.getLogger("fasttune")
+
+WARM_CALLS = 2  # eager calls of a layout before its capture
+_EAGER = "eager"  # an entry for a layout that stays eager
+
+
+def layer_state(layer: nn.Module) -> tuple | str:
+    """The Python state that steers ``layer``'s forward, as a hashable tuple; or why it must stay eager."""
+    state, stack = [], [layer]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        p = m.__dict__.get("attention_dropout", 0.0)
+        if m.training and ((isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(p, float) and p > 0)):
+            return "dropout in training (its random numbers are the recompute's to repeat)"
+        if "lora_A" in m._modules:  # a PEFT LoRA layer: its switches choose the code path
+            state.append((m.training, bool(getattr(m, "disable_adapters", False)),
+                          tuple(getattr(m, "active_adapters", ()) or ()),
+                          tuple(getattr(m, "merged_adapters", ()) or ())))
+        else:
+            state.append(m.training)
+        stack.extend(m._modules.values())
+    return tuple(state)
+
+
+def _storages(layer: nn.Module) -> tuple:
+    return tuple(t.data_ptr() for t in (*layer.parameters(), *layer.buffers()))
+
+
+class _Entry:
+    __slots__ = ("graph", "inputs", "output", "counts", "memo", "storages")
+
+    def __init__(self, graph, inputs, output, counts, memo, storages):
+        self.graph, self.inputs, self.output = graph, inputs, output
+        self.counts, self.memo, self.storages = counts, memo, storages
+
+
+class ForwardGraphs:
+    """The graphs of one model's checkpointed layers, in one memory pool (replays run one at a time)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()  # the report's call counter (``PatchReport.calls``), given by ``run``
+        self.entries: dict = {}
+        self.seen: Counter = Counter()
+        self.buffers: dict = {}
+        self.pool = None
+        self.logged: set[str] = set()
+        self.captures = self.replays = 0
+
+    def run(self, call, hidden: torch.Tensor, layer: nn.Module, counts: Counter):
+        """``call(hidden)`` (a ``no_grad_forward.LayerCall`` whose function has not run yet), replayed
+        from ``layer``'s graph where one fits, else eager. ``counts``: the report's call counter, which
+        the layer's ops count into."""
+        self.counts = counts
+        if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+            return call(hidden)
+        state = layer_state(layer)
+        if isinstance(state, str):
+            return self._eager(call, hidden, state)
+        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        tensors = [hidden, *(t for t in leaves if isinstance(t, torch.Tensor))]
+        key = (id(layer), state, tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors),
+               tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)),
+               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        entry = self.entries.get(key)
+        if entry is None and LayerRecords().start:  # transformers collects outputs (router logits) in this forward
+            self._log("the layer records tensors for transformers (router logits): a replay would not")
+            entry = self.entries[key] = _EAGER
+        if isinstance(entry, _Entry) and entry.storages != _storages(layer):
+            del self.entries[key]  # parameters moved since the capture: capture again
+            self.seen[key], entry = WARM_CALLS, None
+        if entry is None:
+            self.seen[key] += 1
+            if self.seen[key] <= WARM_CALLS:
+                return call(hidden)
+            entry = self._capture(key, call, hidden, layer, leaves, spec, tensors)
+        if entry == _EAGER:
+            return call(hidden)
+        for buf, t in zip(entry.inputs, tensors):
+            buf.copy_(t)
+        entry.graph.replay()
+        call.fn.calls += 1  # the forward has run: the function's next call is the recompute
+        call.fn.memo.update(entry.memo)
+        self.counts.update(entry.counts)
+        self.replays += 1
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.output)
+
+    def _eager(self, call, hidden, why: str):
+        self._log(why)
+        return call(hidden)
+
+    def _log(self, why: str) -> None:
+        if why not in self.logged:
+            self.logged.add(why)
+            logger.info("fasttune: checkpointed layers' forward runs eagerly, not from CUDA graphs: %s", why)
+
+    def _buffer(self, name, like: torch.Tensor) -> torch.Tensor:
+        key = (name, tuple(like.shape), like.stride(), like.dtype, like.device)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        return self.buffers[key]
+
+    def _capture(self, key, call, hidden, layer, leaves, spec, tensors):
+        """Capture ``call`` on static copies of its inputs (nothing runs); an entry, or ``_EAGER``."""
+        inputs = [self._buffer(("in", i), t) for i, t in enumerate(tensors)]  # shared by every layer's graph
+        for buf, t in zip(inputs, tensors):
+            buf.copy_(t)
+        rest = iter(inputs[1:])
+        static_args, static_kwargs = pytree.tree_unflatten(
+            [next(rest) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+        fn, calls, counts0, memo0 = call.fn, call.fn.calls, Counter(self.counts), dict(call.fn.memo)
+        records = LayerRecords()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            autocast = dict(enabled=torch.is_autocast_enabled("cuda"), dtype=torch.get_autocast_dtype("cuda"))
+            with torch.cuda.graph(graph, pool=self.pool), torch.autocast("cuda", cache_enabled=False, **autocast):
+                out = fn(inputs[0], *static_args, **static_kwargs)
+                # Copied into buffers shared by every layer, inside the graph: the graph's own blocks go back
+                # to the pool, where the next layer's capture reuses them.
+                flat, out_spec = pytree.tree_flatten(out)
+                output = pytree.tree_unflatten([self._buffer(("out", i), t).copy_(t) if isinstance(t, torch.Tensor)
+                                                else t for i, t in enumerate(flat)], out_spec)
+        except Exception as err:  # noqa: BLE001 - the layout stays eager, the reason logged once
+            why = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+            records.drop_new()
+            self.entries[key] = _EAGER
+            fn.calls, fn.memo = calls, memo0
+            self.counts.clear()
+            self.counts.update(counts0)
+            self._log(why)
+            return _EAGER
+        fn.calls = calls  # the capture ran no kernel: the replay that follows is this call's forward
+        counts = self.counts - counts0
+        self.counts.clear()
+        self.counts.update(counts0)
+        if records.new_slots():
+            records.drop_new()  # the capture's records: the eager call that follows records its own
+            self.entries[key] = _EAGER
+            fn.memo = memo0
+            self._log("the layer records tensors for transformers (router logits): a replay would not")
+            return _EAGER
+        self.entries[key] = entry = _Entry(graph, inputs, output, counts, dict(fn.memo), _storages(layer))
+        self.captures += 1
+        if self.captures == 1:
+            logger.info("fasttune: checkpointed layers' forward replayed from CUDA graphs (one layer's forward "
+                        "working set stays reserved in their pool)")
+        return entry
+
+
+__all__ = ["ForwardGraphs", "WARM_CALLS", "layer_state"]

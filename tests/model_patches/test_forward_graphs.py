@@ -1,0 +1,171 @@
+"""A checkpointed layer's no-grad forward replayed from a CUDA graph (``forward_graphs.py``, opt-in).
+
+On CUDA (``gpu`` tests): several training steps with AdamW between them give the loss and every
+trainable gradient of the eager run bit for bit, with the same run-time call counts; a switch of
+PEFT's adapters and a re-homed parameter are captured anew instead of replaying a stale graph. On
+the CPU: what steers a layer's code path is read into the layout key, dropout keeps a layer eager,
+and the option is a no-op on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fasttune.config import FastConfig
+from fasttune.model_patches import patch_model
+from fasttune.model_patches.checkpointing import layer_checkpointing
+from fasttune.model_patches.forward_graphs import WARM_CALLS, layer_state
+from fasttune.model_patches.report import FUSED
+from helpers.tiny_models import make_batch, tiny_model
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _model(device="cpu", router_logits=False):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("qwen3_moe", seed=0, output_router_logits=router_logits)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                             target_parameters=EXPERT_TARGETS, lora_dropout=0.0,
+                                             init_lora_weights=False))
+    return model.to(device).train()
+
+
+def _patched(model, graphs: bool):
+    return patch_model(model, FastConfig(checkpointing="offload", checkpoint_no_grad_forward=True,
+                                         checkpoint_forward_graphs=graphs))
+
+
+def _steps(model, batches, autocast: bool):
+    """Loss and gradients of each step; AdamW between the steps (in place, as a Trainer's)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        opt.step()
+    return out
+
+
+def _same_steps(a, b):
+    assert len(a) == len(b)
+    for i, ((la, ga), (lb, gb)) in enumerate(zip(a, b)):
+        assert torch.equal(la, lb), (i, la, lb)
+        assert ga.keys() == gb.keys() and ga
+        bad = [n for n in ga if not torch.equal(ga[n], gb[n])]
+        assert not bad, f"step {i}: gradients differ bitwise: {bad[:4]}"
+
+
+def test_layer_state_reads_training_flags_and_peft_switches():
+    model = _model()
+    layer = model.base_model.model.model.layers[0]
+    base = layer_state(layer)
+    assert isinstance(base, tuple) and base == layer_state(layer)
+    with model.disable_adapter():
+        assert layer_state(layer) != base
+    assert layer_state(layer) == base
+    model.eval()
+    assert layer_state(layer) != base
+    model.train()
+    layer.self_attn.attention_dropout = 0.1
+    assert "dropout" in layer_state(layer)
+    layer.self_attn.attention_dropout = 0.0
+    layer.mlp.add_module("drop", nn.Dropout(0.2))
+    assert "dropout" in layer_state(layer)
+    layer.eval()  # dropout off in eval: no random numbers to repeat
+    assert isinstance(layer_state(layer), tuple)
+
+
+def test_cpu_tensors_stay_eager_with_the_option_on():
+    """No CUDA graphs on the CPU: the option changes nothing there (bitwise), and nothing is captured."""
+    runs, counts = [], []
+    for graphs in (True, False):
+        model = _model()
+        report = _patched(model, graphs)
+        runs.append(_steps(model, [make_batch(model.config.vocab_size, seed=s) for s in (3, 4)], autocast=False))
+        counts.append({k: n for k, n in report.calls.items() if k[1] == FUSED})
+        state = layer_checkpointing(model)
+        assert (state.graphs is not None) is graphs
+        if graphs:
+            assert state.graphs.captures == state.graphs.replays == 0
+    _same_steps(*runs)
+    assert counts[0] == counts[1]
+
+
+def test_the_option_defaults_off():
+    assert FastConfig().checkpoint_forward_graphs is False
+    model = _model()
+    patch_model(model, FastConfig(checkpointing="offload"))
+    assert layer_checkpointing(model).graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [True, False])
+def test_cuda_replays_equal_eager_steps_bitwise(autocast):
+    """Six steps, AdamW between them: the first WARM_CALLS run eager, the next captures, the rest replay.
+    Loss and every gradient equal the eager model's bit for bit, and the run-time counts are the same."""
+    base = _model("cuda")
+    batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(6)]
+    runs, counts, models = [], [], []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        report = _patched(model, graphs)
+        runs.append(_steps(model, batches, autocast))
+        counts.append(dict(report.calls))
+        models.append(model)
+    _same_steps(*runs)
+    assert counts[0] == counts[1]
+    g = layer_checkpointing(models[0]).graphs
+    layers = len(models[0].base_model.model.model.layers)
+    assert g.captures == layers and g.replays == layers * (len(batches) - WARM_CALLS)
+
+
+@pytest.mark.gpu
+def test_cuda_adapter_switch_and_rehomed_parameter_are_captured_anew():
+    """A forward with PEFT's adapters disabled is another layout (its own graph, not the adapters-on
+    replay); a LoRA parameter given new storage makes the layer capture again. Numbers = eager."""
+    base = _model("cuda")
+    batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(9)]
+    runs, models = [], []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        _patched(model, graphs)
+        out = _steps(model, batches[:4], autocast=True)
+        with model.disable_adapter(), torch.autocast("cuda", dtype=torch.bfloat16):  # the layers' other path
+            for b in batches[4:8]:  # grad on, training mode: the checkpointed path, forward only
+                out.append((model(**b).loss.detach(), {}))
+        lora = next(p for n, p in model.named_parameters() if "lora_A" in n)
+        lora.data = lora.data.clone()  # new storage: a graph captured on the old one would read stale memory
+        out += _steps(model, batches[8:], autocast=True)
+        runs.append(out)
+        models.append(model)
+    for i, ((la, ga), (lb, gb)) in enumerate(zip(*runs)):
+        assert torch.equal(la, lb), (i, la, lb)
+        assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga), i
+    g = layer_checkpointing(models[0]).graphs
+    assert g.captures > len(models[0].base_model.model.model.layers)  # captured again after the switches
+
+
+@pytest.mark.gpu
+def test_cuda_layers_recording_router_logits_stay_eager():
+    """output_router_logits=True: transformers records the router logits inside the layer, which a replay
+    would not: the layers stay eager (nothing captured after the try), the auxiliary loss and every
+    gradient equal the eager model's bit for bit."""
+    base = _model("cuda", router_logits=True)
+    batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(5)]
+    runs, models = [], []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        _patched(model, graphs)
+        runs.append(_steps(model, batches, autocast=True))
+        models.append(model)
+    _same_steps(*runs)
+    g = layer_checkpointing(models[0]).graphs
+    assert g.captures == g.replays == 0 and any("router logits" in why for why in g.logged)
