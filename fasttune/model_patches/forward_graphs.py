@@ -96,15 +96,15 @@ class ForwardGraphs:
         state = layer_state(layer)
         if isinstance(state, str):
             return self._eager(call, hidden, state)
+        if LayerRecords().start:  # transformers collects outputs (router logits) in this forward
+            return self._eager(call, hidden, "the layer records tensors for transformers (router logits): "
+                                             "a replay would not")
         leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
         tensors = [hidden, *(t for t in leaves if isinstance(t, torch.Tensor))]
         key = (id(layer), state, tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors),
                tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)),
                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         entry = self.entries.get(key)
-        if entry is None and LayerRecords().start:  # transformers collects outputs (router logits) in this forward
-            self._log("the layer records tensors for transformers (router logits): a replay would not")
-            entry = self.entries[key] = _EAGER
         if isinstance(entry, _Entry) and entry.storages != _storages(layer):
             del self.entries[key]  # parameters moved since the capture: capture again
             self.seen[key], entry = WARM_CALLS, None

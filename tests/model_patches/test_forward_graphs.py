@@ -169,3 +169,9 @@ def test_cuda_layers_recording_router_logits_stay_eager():
     _same_steps(*runs)
     g = layer_checkpointing(models[0]).graphs
     assert g.captures == g.replays == 0 and any("router logits" in why for why in g.logged)
+    models[0].config.output_router_logits = False  # the same layouts without a collector: captured, replayed
+    for m in models:
+        m.base_model.model.config.output_router_logits = False
+    more = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(10, 13)]
+    _same_steps(*[_steps(m, more, autocast=True) for m in models])
+    assert g.captures == len(models[0].base_model.model.model.layers) and g.replays > 0
