@@ -106,6 +106,11 @@ def set_ddp_defaults(args, config: FastConfig) -> bool | None:
 
 # --- FSDP ----------------------------------------------------------------------------------------
 
+def fsdp_launch() -> bool:
+    """True under ``accelerate launch`` with an FSDP config (accelerate's own variable)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+
+
 def fsdp_checkpointing_requested(args) -> bool:
     """True when FSDP's own activation checkpointing is on (``fsdp_config`` or accelerate's config)."""
     plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
@@ -113,8 +118,7 @@ def fsdp_checkpointing_requested(args) -> bool:
         return True
     if getattr(args, "fsdp", None) and (getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing"):
         return True
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and \
-        os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+    return fsdp_launch() and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
 
 
 def release_fsdp_checkpointing(accelerator, config: FastConfig) -> bool:

@@ -151,9 +151,11 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
+        from .distributed import fsdp_launch
+
         # Under FSDP the packed codes are sharded and gathered like any parameter: held in the compute
         # dtype (a float), not uint8, which FSDP2 cannot shard with the rest of its unit.
-        storage = dict(bnb_4bit_quant_storage=dtype) if _fsdp_enabled() else {}
+        storage = dict(bnb_4bit_quant_storage=dtype) if fsdp_launch() else {}
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype, **storage)
@@ -233,11 +235,6 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if resolved is torch.bfloat16 and str(device).startswith("cuda") and not torch.cuda.is_bf16_supported():
         raise ValueError("dtype=bfloat16: this GPU has no bfloat16 support; use dtype='float16' (or 'auto')")
     return resolved
-
-
-def _fsdp_enabled() -> bool:
-    """True under ``accelerate launch`` with an FSDP config (accelerate's own variable)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
 def _zero3_enabled() -> bool:

@@ -78,7 +78,6 @@ class ForwardGraphs:
     """The graphs of one model's checkpointed layers, in one memory pool (replays run one at a time)."""
 
     def __init__(self):
-        self.counts: Counter = Counter()  # the report's call counter (``PatchReport.calls``), given by ``run``
         self.entries: dict = {}
         self.seen: Counter = Counter()
         self.buffers: dict = {}
@@ -90,7 +89,6 @@ class ForwardGraphs:
         """``call(hidden)`` (a ``no_grad_forward.LayerCall`` whose function has not run yet), replayed
         from ``layer``'s graph where one fits, else eager. ``counts``: the report's call counter, which
         the layer's ops count into."""
-        self.counts = counts
         if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
             return call(hidden)
         state = layer_state(layer)
@@ -112,7 +110,7 @@ class ForwardGraphs:
             self.seen[key] += 1
             if self.seen[key] <= WARM_CALLS:
                 return call(hidden)
-            entry = self._capture(key, call, hidden, layer, leaves, spec, tensors)
+            entry = self._capture(key, call, layer, leaves, spec, tensors, counts)
         if entry == _EAGER:
             return call(hidden)
         for buf, t in zip(entry.inputs, tensors):
@@ -120,7 +118,7 @@ class ForwardGraphs:
         entry.graph.replay()
         call.fn.calls += 1  # the forward has run: the function's next call is the recompute
         call.fn.memo.update(entry.memo)
-        self.counts.update(entry.counts)
+        counts.update(entry.counts)
         self.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.output)
 
@@ -139,7 +137,7 @@ class ForwardGraphs:
             self.buffers[key] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
         return self.buffers[key]
 
-    def _capture(self, key, call, hidden, layer, leaves, spec, tensors):
+    def _capture(self, key, call, layer, leaves, spec, tensors, counts: Counter):
         """Capture ``call`` on static copies of its inputs (nothing runs); an entry, or ``_EAGER``."""
         inputs = [self._buffer(("in", i), t) for i, t in enumerate(tensors)]  # shared by every layer's graph
         for buf, t in zip(inputs, tensors):
@@ -147,12 +145,12 @@ class ForwardGraphs:
         rest = iter(inputs[1:])
         static_args, static_kwargs = pytree.tree_unflatten(
             [next(rest) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
-        fn, calls, counts0, memo0 = call.fn, call.fn.calls, Counter(self.counts), dict(call.fn.memo)
-        records = LayerRecords()
+        fn, calls, counts0, memo0 = call.fn, call.fn.calls, Counter(counts), dict(call.fn.memo)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        failed = None
         try:
             autocast = dict(enabled=torch.is_autocast_enabled("cuda"), dtype=torch.get_autocast_dtype("cuda"))
             with torch.cuda.graph(graph, pool=self.pool), torch.autocast("cuda", cache_enabled=False, **autocast):
@@ -163,25 +161,19 @@ class ForwardGraphs:
                 output = pytree.tree_unflatten([self._buffer(("out", i), t).copy_(t) if isinstance(t, torch.Tensor)
                                                 else t for i, t in enumerate(flat)], out_spec)
         except Exception as err:  # noqa: BLE001 - the layout stays eager, the reason logged once
-            why = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
-            records.drop_new()
-            self.entries[key] = _EAGER
-            fn.calls, fn.memo = calls, memo0
-            self.counts.clear()
-            self.counts.update(counts0)
-            self._log(why)
-            return _EAGER
-        fn.calls = calls  # the capture ran no kernel: the replay that follows is this call's forward
-        counts = self.counts - counts0
-        self.counts.clear()
-        self.counts.update(counts0)
-        if records.new_slots():
-            records.drop_new()  # the capture's records: the eager call that follows records its own
-            self.entries[key] = _EAGER
+            failed = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+        # The capture ran the call's Python but no kernel: its counts come back with each replay, and the
+        # replay that follows is this call's forward.
+        captured = counts - counts0
+        counts.clear()
+        counts.update(counts0)
+        fn.calls = calls
+        if failed is not None:
             fn.memo = memo0
-            self._log("the layer records tensors for transformers (router logits): a replay would not")
+            self._log(failed)
+            self.entries[key] = _EAGER
             return _EAGER
-        self.entries[key] = entry = _Entry(graph, inputs, output, counts, dict(fn.memo), _storages(layer))
+        self.entries[key] = entry = _Entry(graph, inputs, output, captured, dict(fn.memo), _storages(layer))
         self.captures += 1
         if self.captures == 1:
             logger.info("fasttune: checkpointed layers' forward replayed from CUDA graphs (one layer's forward "

@@ -41,11 +41,6 @@ class LayerRecords:
         return [(k, i - n) for k, n in self.start.items() for i in range(n, len(self.collected[k]))
                 if isinstance(self.collected[k][i], torch.Tensor)]
 
-    def drop_new(self) -> None:
-        """Remove what was appended since the snapshot (a call whose records must not count)."""
-        for k, n in self.start.items():
-            del self.collected[k][n:]
-
     def get(self, slots) -> list[torch.Tensor]:
         return [self.collected[k][self.start[k] + i] for k, i in slots]
 
