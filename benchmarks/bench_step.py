@@ -41,7 +41,10 @@ garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora
 fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
 ``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
 ``--attention-stash`` with ``FastConfig(attention_stash=True)`` on the offloading stacks (the attention
-core's saved tensors in host memory instead of recomputed; its counters follow the row).
+core's saved tensors in host memory instead of recomputed; its counters follow the row),
+``--no-grad-forward`` with ``FastConfig(checkpoint_no_grad_forward=True)`` (the checkpointed layers' forward
+without autograd, on for dense families too) and ``--forward-graphs`` with that and
+``FastConfig(checkpoint_forward_graphs=True)`` (that forward replayed from CUDA graphs).
 
 ``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
 fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
@@ -227,6 +230,9 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
                                                base_dtype="fp8" if fp8 else "auto",
                                                attention_stash=args.attention_stash and mode != "recompute",
                                                memory_budget_gb=args.memory_budget_gb if mode == "auto" else None,
+                                               checkpoint_no_grad_forward=True if args.no_grad_forward
+                                               or args.forward_graphs else None,
+                                               checkpoint_forward_graphs=args.forward_graphs,
                                                **({} if args.loss_workspace_mib is None
                                                   else {"loss_workspace_mib": args.loss_workspace_mib})))
         log("    " + str(report).replace("\n", "\n    "))
@@ -554,6 +560,9 @@ def worker(stack: str, args) -> None:
                         row["host_pool"] = dict(allocations=pool.allocations, peak_gib=round(pool.peak_bytes_in_use / GIB, 2),
                                                 held_gib=round(pool.bytes_total / GIB, 2))
                         log(f"    offload {row['offload']}; host pool {row['host_pool']}")
+                    if getattr(state, "graphs", None) is not None:
+                        row["graphs"] = dict(captures=state.graphs.captures, replays=state.graphs.replays)
+                        log(f"    forward graphs {row['graphs']}")
                     del state
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
@@ -594,6 +603,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
         + (["--attention-stash"] if args.attention_stash else []) \
+        + (["--no-grad-forward"] if args.no_grad_forward else []) \
+        + (["--forward-graphs"] if args.forward_graphs else []) \
         + ["--gc", args.gc] \
         + ([] if args.loss_workspace_mib is None else ["--loss-workspace-mib", str(args.loss_workspace_mib)]) \
         + ([] if args.memory_budget_gb is None else ["--memory-budget-gb", str(args.memory_budget_gb)])
@@ -685,6 +696,10 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
     p.add_argument("--attention-stash", action="store_true",
                    help="fasttune offload/auto stacks with FastConfig(attention_stash=True)")
+    p.add_argument("--no-grad-forward", action="store_true",
+                   help="fasttune stacks with FastConfig(checkpoint_no_grad_forward=True) (on for dense families too)")
+    p.add_argument("--forward-graphs", action="store_true",
+                   help="fasttune stacks with FastConfig(checkpoint_forward_graphs=True) and the no-grad forward it needs")
     p.add_argument("--loss-workspace-mib", type=int, default=None,
                    help="fasttune stacks with FastConfig(loss_workspace_mib=N): the loss head's logit workspace")
     p.add_argument("--no-residual-norms", action="store_true",

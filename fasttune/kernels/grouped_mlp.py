@@ -50,6 +50,7 @@ from .moe_combine import combine_rows
 from .moe_glu import moe_glu, moe_glu_backward
 from .moe_reference import ExpertGLU, ExpertProjection
 from .nf4_weight import NF4Weight
+from .scratch_pool import scratch
 
 __all__ = ["GroupedMLPFunction", "grouped_mlp", "ExpertGLU", "ExpertProjection"]
 
@@ -159,8 +160,12 @@ class _Proj:
     def backward(self, z, dy, offs, needs, rank=None, dy_ext=None):
         """(dz, dweight, dA, dB): dz of the rows, and the parameter gradients asked for by ``needs``
         (weight, lora_a, lora_b); ``rank``: the forward's z Aᵀ, recomputed when not given."""
-        E = self.weight.shape[0]
         dz, dyb = self.grad_input(dy, offs, dy_ext)
+        return (dz, *self.param_grads(z, dy, dyb, offs, needs, rank))
+
+    def param_grads(self, z, dy, dyb, offs, needs, rank=None):
+        """(dweight, dA, dB) asked for by ``needs``; ``dyb``: s · dY Bₑ from ``grad_input``."""
+        E = self.weight.shape[0]
         dw = da = db = None
         if needs[0]:
             dw = grouped_mm_wgrad(z, dy, offs, E) if self.transposed else grouped_mm_wgrad(dy, z, offs, E)
@@ -170,7 +175,7 @@ class _Proj:
             if needs[2]:
                 db = grouped_mm_wgrad(dy, self.rank_input(z, offs) if rank is None else rank, offs, E)
                 db.mul_(self.scaling)
-        return dz, dw, da, db
+        return dw, da, db
 
 
 def _fits(wide, weight, lora_a) -> bool:
@@ -258,26 +263,30 @@ class GroupedMLPFunction(torch.autograd.Function):
         gu_needs = (t_needs[0], t_needs[2], t_needs[3])
         d_needs = (t_needs[4], t_needs[6], t_needs[7])
 
-        if d_p.bordered:  # dY gathered into [dY | 0 ...]: the border receives s·dY B
-            dy_ext = torch.cat((dout.to(dtype), dout.new_zeros(T, d_p.wide.extra, dtype=dtype)), 1)[token]
-            dy = dy_ext[:, : d_p.out_features]
-        else:
-            dy_ext, dy = None, dout.to(dtype)[token]  # [S, H]
-        dh, dyb = d_p.grad_input(dy, offs, dy_ext)
-        del dy_ext
-        gu_wide = ctx.meta[0][2]
-        if tensors[2] is not None and _fits(gu_wide, tensors[0], tensors[2]):
-            # Bordered: dGU goes into the first 2I columns of [dGU | s·dGU B | 0], whose border the
-            # gate/up projection's grad_input fills (gate_up stays saved: it is not overwritten).
-            n_gu, r = gate_up.shape[1], tensors[2].shape[1]
-            gu_ext = torch.empty(gate_up.shape[0], n_gu + gu_wide.extra, dtype=dtype, device=gate_up.device)
-            if r < gu_wide.extra:
-                gu_ext[:, n_gu + r:].zero_()
-            dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, out=gu_ext[:, :n_gu])
-        else:
-            gu_ext = None
-            dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
-        del dh
+        # The [S, ·] temporaries (dY gathered, dH', dGU, H', x gathered, its gradient) may come from an idle
+        # CUDA graph pool (scratch_pool.py): each dies in this backward. Gradients that leave it are
+        # allocated outside those blocks.
+        with scratch(dout.device):
+            if d_p.bordered:  # dY gathered into [dY | 0 ...]: the border receives s·dY B
+                dy_ext = torch.cat((dout.to(dtype), dout.new_zeros(T, d_p.wide.extra, dtype=dtype)), 1)[token]
+                dy = dy_ext[:, : d_p.out_features]
+            else:
+                dy_ext, dy = None, dout.to(dtype)[token]  # [S, H]
+            dh, dyb = d_p.grad_input(dy, offs, dy_ext)
+            del dy_ext
+            gu_wide = ctx.meta[0][2]
+            if tensors[2] is not None and _fits(gu_wide, tensors[0], tensors[2]):
+                # Bordered: dGU goes into the first 2I columns of [dGU | s·dGU B | 0], whose border the
+                # gate/up projection's grad_input fills (gate_up stays saved: it is not overwritten).
+                n_gu, r = gate_up.shape[1], tensors[2].shape[1]
+                gu_ext = torch.empty(gate_up.shape[0], n_gu + gu_wide.extra, dtype=dtype, device=gate_up.device)
+                if r < gu_wide.extra:
+                    gu_ext[:, n_gu + r:].zero_()
+                dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, out=gu_ext[:, :n_gu])
+            else:
+                gu_ext = None
+                dgu, h, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True)
+            del dh
         # The down projection's parameter gradients (its dz, dh, is already computed above).
         d_grads = [None] * _FIELDS
         if d_needs[0]:
@@ -293,8 +302,10 @@ class GroupedMLPFunction(torch.autograd.Function):
         del h, dy, d_p
         # The gate/up projection (bordered: dGU is the first 2I columns of gu_ext).
         gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
-        xs = x.to(dtype)[token]
-        dxs, gu_w, gu_a, gu_b = gu_p.backward(xs, dgu, offs, gu_needs, rank=gu_rank, dy_ext=gu_ext)
+        with scratch(dout.device):
+            xs = x.to(dtype)[token]
+            dxs, gu_dyb = gu_p.grad_input(dgu, offs, gu_ext)
+        gu_w, gu_a, gu_b = gu_p.param_grads(xs, dgu, gu_dyb, offs, gu_needs, rank=gu_rank)
         gu_grads = [gu_w, None, gu_a, gu_b]
         if gu_p.bias is not None and t_needs[1]:
             gu_grads[1] = _segment_sum(dgu, expert, E)

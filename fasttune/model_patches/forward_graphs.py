@@ -6,7 +6,8 @@ That forward can then be captured once as a CUDA graph and replayed: one launch 
 of-experts layer's ~70 and the Python around them. The host then reaches the backward ~40 ms ahead of
 the GPU on 8 Qwen3-30B-A3B layers and keeps it busy to the end (H200: 119.9 → 97.5 ms/step on a host
 that could not keep up, 102.0 → 97.3 on one that could; benchmarks/RESULTS.md). The price: the graphs'
-memory pool keeps one layer's forward working set reserved for the whole step (+1.0 GiB there).
+memory pool keeps one layer's forward working set reserved for the whole step (0.92 GiB there); the
+experts' backward takes its temporaries from that pool, idle by then (``kernels/scratch_pool.py``).
 
 What a replay must reproduce, and how:
 - the same computation: a graph per layer and per *layout*: the input tensors' shapes, dtypes and
@@ -81,7 +82,7 @@ class ForwardGraphs:
         self.entries: dict = {}
         self.seen: Counter = Counter()
         self.buffers: dict = {}
-        self.pool = None
+        self.pool = self.stream = None
         self.logged: set[str] = set()
         self.captures = self.replays = 0
 
@@ -122,6 +123,12 @@ class ForwardGraphs:
         self.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.output)
 
+    @property
+    def scratch(self):
+        """(pool, stream) a layer's backward may take its temporaries from (``kernels.scratch_pool``): the
+        graphs' MemPool and capture stream once something was captured; else (None, None)."""
+        return (self.pool, self.stream) if self.captures and hasattr(self.pool, "id") else (None, None)
+
     def _eager(self, call, hidden, why: str):
         self._log(why)
         return call(hidden)
@@ -147,13 +154,19 @@ class ForwardGraphs:
             [next(rest) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
         fn, calls, counts0, memo0 = call.fn, call.fn.calls, Counter(counts), dict(call.fn.memo)
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+            # A MemPool, so that a layer's backward can take its temporaries from the same blocks
+            # (kernels/scratch_pool.py); torch without MemPool: a plain graph pool.
+            mempool = getattr(torch.cuda, "MemPool", None)
+            self.pool = mempool() if mempool is not None else torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         failed = None
         try:
             autocast = dict(enabled=torch.is_autocast_enabled("cuda"), dtype=torch.get_autocast_dtype("cuda"))
-            with torch.cuda.graph(graph, pool=self.pool), torch.autocast("cuda", cache_enabled=False, **autocast):
+            pool_id = self.pool.id if hasattr(self.pool, "id") else self.pool
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()  # every capture on one stream: its freed blocks are that stream's
+            with torch.cuda.graph(graph, pool=pool_id, stream=self.stream), torch.autocast("cuda", cache_enabled=False, **autocast):
                 out = fn(inputs[0], *static_args, **static_kwargs)
                 # Copied into buffers shared by every layer, inside the graph: the graph's own blocks go back
                 # to the pool, where the next layer's capture reuses them.

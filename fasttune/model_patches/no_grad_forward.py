@@ -38,6 +38,7 @@ import logging
 import torch
 from torch import nn
 
+from ..kernels.scratch_pool import scratch_pool
 from .forward_graphs import ForwardGraphs
 from .instance import graphless_training
 from .layer_records import LayerRecords
@@ -157,7 +158,9 @@ class RecomputedLayer(torch.autograd.Function):
         pairs = [(t, g) for t, g in zip(outs, grads)
                  if isinstance(t, torch.Tensor) and g is not None and t.requires_grad]
         if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            graphs = ctx.run.graphs  # with CUDA graphs: the backward's temporaries may use their idle pool
+            with scratch_pool(*(graphs.scratch if graphs is not None else (None,))):
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return None, (h.grad if ctx.hidden_grad else None), None
 
 

@@ -128,6 +128,48 @@ def test_cuda_replays_equal_eager_steps_bitwise(autocast):
 
 
 @pytest.mark.gpu
+def test_cuda_experts_backward_scratch_in_the_graphs_pool_under_gradient_accumulation(monkeypatch):
+    """The experts' backward takes its temporaries from the graphs' idle pool (kernels/scratch_pool.py):
+    it did so on every backward after the first capture, and nothing allocated there outlives the
+    backward: with two micro-batches per step (the gradients of the first live through the second
+    forward's replays) loss and every gradient equal the eager model's bit for bit."""
+    from fasttune.kernels import grouped_mlp, scratch_pool
+
+    pooled = []
+
+    def counting_scratch(device):
+        pooled.append(scratch_pool._POOL.get() is not None)
+        return scratch_pool.scratch(device)
+
+    monkeypatch.setattr(grouped_mlp, "scratch", counting_scratch)
+    base = _model("cuda")
+    batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(8)]
+    runs = []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        _patched(model, graphs)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        out = []
+        for i in range(0, len(batches), 2):
+            opt.zero_grad(set_to_none=True)
+            losses = []
+            for batch in batches[i:i + 2]:
+                loss = model(**batch).loss
+                (loss / 2).backward()
+                losses.append(loss.detach())
+            out.append((torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.requires_grad}))
+            opt.step()
+        runs.append(out)
+        if graphs:
+            assert layer_checkpointing(model).graphs.scratch[0] is not None
+            assert any(pooled) and pooled[-1], "the experts' backward never used the graphs' pool"
+            pooled.clear()
+    _same_steps(*runs)
+    assert not any(pooled), "an eager model's backward used a scratch pool"
+
+
+@pytest.mark.gpu
 def test_cuda_adapter_switch_and_rehomed_parameter_are_captured_anew():
     """A forward with PEFT's adapters disabled is another layout (its own graph, not the adapters-on
     replay); a LoRA parameter given new storage makes the layer capture again. Numbers = eager."""
