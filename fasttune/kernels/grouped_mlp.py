@@ -20,6 +20,8 @@ Backward, dY_i = dout[t_i] (a gather):
   v = a(gate)·up]; with a down bias dw_i += ⟨dY_i, b_e⟩;  dx[t] = Σ_rows of t (dGU W_gu + (dGU s·B) A);
   dW_d[e] = dY_eᵀ H'_e,  dW_gu[e] = dGU_eᵀ x_e  (grouped_mm_wgrad; transposed layouts swap operands);
   dA = (dY s·B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
+  With the gate/up weight frozen, its dA is one dense product over the tokens instead ([T, E·r] of
+  s·dGU B scattered by (token, expert), times x): x[t] is then never gathered in backward.
 
 Widened weights (``moe_wide.WideExperts``, a projection's ``wide``, bordered by A and s·B): the
 rank-r terms ride in the base products (one fp32 accumulation each). Forward: [z | z Aᵀ | 0] Mᵀ;
@@ -163,19 +165,31 @@ class _Proj:
         dz, dyb = self.grad_input(dy, offs, dy_ext)
         return (dz, *self.param_grads(z, dy, dyb, offs, needs, rank))
 
-    def param_grads(self, z, dy, dyb, offs, needs, rank=None):
-        """(dweight, dA, dB) asked for by ``needs``; ``dyb``: s · dY Bₑ from ``grad_input``."""
+    def param_grads(self, z, dy, dyb, offs, needs, rank=None, by_token=None):
+        """(dweight, dA, dB) asked for by ``needs``; ``dyb``: s · dY Bₑ from ``grad_input``. ``by_token``:
+        (x, token, expert) of the rows, for dA without the gathered rows ``z`` (None then)."""
         E = self.weight.shape[0]
         dw = da = db = None
         if needs[0]:
             dw = grouped_mm_wgrad(z, dy, offs, E) if self.transposed else grouped_mm_wgrad(dy, z, offs, E)
         if self.a is not None:
             if needs[1]:
-                da = grouped_mm_wgrad(dyb, z, offs, E)
+                da = (grouped_mm_wgrad(dyb, z, offs, E) if by_token is None
+                      else _lora_a_grad_by_token(dyb, *by_token, E))
             if needs[2]:
                 db = grouped_mm_wgrad(dy, self.rank_input(z, offs) if rank is None else rank, offs, E)
                 db.mul_(self.scaling)
         return dw, da, db
+
+
+def _lora_a_grad_by_token(dyb, x, token, expert, E: int) -> torch.Tensor:
+    """dAₑ = Σ over e's rows i of dybᵢ ⊗ x[tᵢ], [E, r, in], as one dense product over the tokens: dyb
+    scattered into [T, E·r] (zero where a token did not pick e), times x. Needs no [S, in] gather of x
+    (256 MiB at 8k tokens of Qwen3-30B-A3B) and runs as one large GEMM; fp32 accumulation, one rounding."""
+    T, r = x.shape[0], dyb.shape[1]
+    by_token = torch.zeros(T, E, r, dtype=dyb.dtype, device=dyb.device)
+    by_token.index_put_((token, expert.long()), dyb, accumulate=True)  # (t, e) pairs are distinct: top-k
+    return torch.mm(by_token.view(T, E * r).t(), x.to(dyb.dtype)).view(E, r, x.shape[1])
 
 
 def _fits(wide, weight, lora_a) -> bool:
@@ -302,10 +316,11 @@ class GroupedMLPFunction(torch.autograd.Function):
         del h, dy, d_p
         # The gate/up projection (bordered: dGU is the first 2I columns of gu_ext).
         gu_p = _Proj(*tensors[:_FIELDS], *ctx.meta[0], dtype)
+        by_token = None if gu_needs[0] else (x, token, expert)  # frozen experts: dA without gathering x
         with scratch(dout.device):
-            xs = x.to(dtype)[token]
+            xs = x.to(dtype)[token] if by_token is None else None
             dxs, gu_dyb = gu_p.grad_input(dgu, offs, gu_ext)
-        gu_w, gu_a, gu_b = gu_p.param_grads(xs, dgu, gu_dyb, offs, gu_needs, rank=gu_rank)
+        gu_w, gu_a, gu_b = gu_p.param_grads(xs, dgu, gu_dyb, offs, gu_needs, rank=gu_rank, by_token=by_token)
         gu_grads = [gu_w, None, gu_a, gu_b]
         if gu_p.bias is not None and t_needs[1]:
             gu_grads[1] = _segment_sum(dgu, expert, E)

@@ -3,8 +3,8 @@
 With ``FastConfig.checkpoint_forward_graphs`` the checkpointed layers' forwards are replayed from CUDA
 graphs whose memory pool keeps one layer's forward working set reserved for the whole step (0.92 GiB
 on a Qwen3-MoE layer at 8k tokens), while the eager allocator's peak comes later, in backward, where
-the routed experts' backward holds its own [rows, hidden] scratch (the gathered input, its gradient,
-the gate/up gradient: ~0.7 GiB there). Both are working sets of one layer, never needed at once, so
+the routed experts' backward holds its own [rows, ·] scratch (the gathered output gradient, the gate/up
+gradient, the input's gradient: ~0.7 GiB there). Both are working sets of one layer, never needed at once, so
 the backward's scratch can live in the graphs' pool: the pool's free blocks hold nothing between two
 replays (a graph writes them before it reads them), and the scratch dies before the backward
 returns, long before the next forward replays a graph.

@@ -166,7 +166,8 @@ class ForwardGraphs:
             pool_id = self.pool.id if hasattr(self.pool, "id") else self.pool
             if self.stream is None:
                 self.stream = torch.cuda.Stream()  # every capture on one stream: its freed blocks are that stream's
-            with torch.cuda.graph(graph, pool=pool_id, stream=self.stream), torch.autocast("cuda", cache_enabled=False, **autocast):
+            with torch.cuda.graph(graph, pool=pool_id, stream=self.stream), \
+                    torch.autocast("cuda", cache_enabled=False, **autocast):
                 out = fn(inputs[0], *static_args, **static_kwargs)
                 # Copied into buffers shared by every layer, inside the graph: the graph's own blocks go back
                 # to the pool, where the next layer's capture reuses them.

@@ -158,8 +158,8 @@ class RecomputedLayer(torch.autograd.Function):
         pairs = [(t, g) for t, g in zip(outs, grads)
                  if isinstance(t, torch.Tensor) and g is not None and t.requires_grad]
         if pairs:
-            graphs = ctx.run.graphs  # with CUDA graphs: the backward's temporaries may use their idle pool
-            with scratch_pool(*(graphs.scratch if graphs is not None else (None,))):
+            pool = ctx.run.graphs.scratch if ctx.run.graphs is not None else (None,)
+            with scratch_pool(*pool):  # with CUDA graphs: the backward's temporaries may use their idle pool
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return None, (h.grad if ctx.hidden_grad else None), None
 
