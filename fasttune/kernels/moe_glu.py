@@ -19,8 +19,9 @@ Backward, given dh = ∂L/∂h [S, I] (the gradient of the *weighted* h):
     clamped_swiglu:  dg = dh·w·(û + 1)·(σ + α·ĝ·σ·(1 − σ)) where g ≤ L (0 elsewhere),
                      du = dh·w·ĝ·σ where −L ≤ u ≤ L (0 elsewhere)   (torch.clamp's gradient mask)
 
-The backward also returns h (recomputed, weighted), which the down projection's weight gradient
-needs, so neither h nor v is kept between forward and backward. dgate_up is written over the
+The backward also returns h (recomputed, weighted) on request, which the down projection's weight
+gradient needs, so neither h nor v is kept between forward and backward (a caller that wants h's
+buffer gone before dgate_up's exists computes it by ``moe_glu`` first, bit for bit the same). dgate_up is written over the
 saved gate_up buffer when the caller allows it (every element is loaded before its own store).
 
 One program per block of rows, a loop over column blocks (the row sums of dw stay in registers). fp32 math,
@@ -116,12 +117,12 @@ def _moe_glu_bwd_kernel(
     dh_ptr,  # [S, I] gradient of the weighted h
     w_ptr,  # [S] router weight per row (unused without HAS_W)
     dgu_ptr,  # [S, 2I] output: gradient of gate_up (may be gu_ptr itself)
-    h_ptr,  # [S, I] output: the weighted h, recomputed
+    h_ptr,  # [S, I] output: the weighted h, recomputed (unused without WRITE_H)
     dw_ptr,  # [S] fp32 output: gradient of w (unused without HAS_W)
     n_rows, n_cols, alpha, limit,
     stride_gu, stride_dh, stride_dgu, stride_h,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_W: tl.constexpr,
+    HAS_W: tl.constexpr, WRITE_H: tl.constexpr,
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < n_rows
@@ -137,8 +138,9 @@ def _moe_glu_bwd_kernel(
         dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v, dvg, dvu = _glu_value_and_grads(g, u, alpha, limit, KIND)
         dw += tl.sum(dh * v, axis=1)
-        tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], (w[:, None] * v).to(h_ptr.dtype.element_ty),
-                 mask=mask)
+        if WRITE_H:
+            tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], (w[:, None] * v).to(h_ptr.dtype.element_ty),
+                     mask=mask)
         dgu_at = dgu_ptr + rows[:, None] * stride_dgu
         if INTERLEAVED:
             g_at, u_at = dgu_at + 2 * cols[None, :], dgu_at + 2 * cols[None, :] + 1
@@ -214,8 +216,9 @@ def moe_glu(gate_up: torch.Tensor, weights: torch.Tensor | None, glu: ExpertGLU 
 
 
 def moe_glu_backward(gate_up: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor | None,
-                     glu: ExpertGLU = ExpertGLU(), overwrite: bool = False, out: torch.Tensor | None = None):
-    """(dgate_up [S, 2I], h [S, I] the weighted forward output, dweights [S] fp32 or None).
+                     glu: ExpertGLU = ExpertGLU(), overwrite: bool = False, out: torch.Tensor | None = None,
+                     with_h: bool = True):
+    """(dgate_up [S, 2I], h [S, I] the weighted forward output or None, dweights [S] fp32 or None).
 
     Args:
         gate_up: the forward's input.
@@ -225,6 +228,7 @@ def moe_glu_backward(gate_up: torch.Tensor, dh: torch.Tensor, weights: torch.Ten
         overwrite: write dgate_up into gate_up's buffer (the caller no longer needs it).
         out: [S, 2I] of gate_up's dtype with unit column stride to write dgate_up into (any row
             stride: the columns of a wider buffer), or None; not with ``overwrite``.
+        with_h: also return h (False: h is neither allocated nor written; the caller has it or needs none).
     """
     _check(gate_up, weights, glu)
     n_cols = gate_up.shape[1] // 2
@@ -237,19 +241,20 @@ def moe_glu_backward(gate_up: torch.Tensor, dh: torch.Tensor, weights: torch.Ten
                          f"{out.stride()}, overwrite={overwrite}")
     if not use_triton(gate_up, dh, weights):
         dgu, h, dw = _reference_backward(gate_up, dh, weights, glu)
-        return (dgu if out is None else out.copy_(dgu)), h, dw
+        return (dgu if out is None else out.copy_(dgu)), (h if with_h else None), dw
     S = gate_up.shape[0]
     dgu = gate_up if overwrite else out if out is not None else torch.empty_like(gate_up)  # every element stored
-    h = torch.empty(S, n_cols, dtype=gate_up.dtype, device=gate_up.device)
+    h = torch.empty(S, n_cols, dtype=gate_up.dtype, device=gate_up.device) if with_h else None
     dw = torch.empty(S, dtype=torch.float32, device=gate_up.device) if weights is not None else None
-    if h.numel():
+    if S * n_cols:
         grid, rows, block = _tiles(S, n_cols)
         _moe_glu_bwd_kernel[grid](
-            gate_up, dh, weights if weights is not None else gate_up, dgu, h, dw if dw is not None else h,
+            gate_up, dh, weights if weights is not None else gate_up, dgu, h if with_h else dgu,
+            dw if dw is not None else dgu,
             S, n_cols, float(glu.alpha), float(glu.limit),
-            gate_up.stride(0), dh.stride(0), dgu.stride(0), h.stride(0),
+            gate_up.stride(0), dh.stride(0), dgu.stride(0), h.stride(0) if with_h else 0,
             ROWS=rows, BLOCK=block, KIND=_kind(glu), INTERLEAVED=glu.kind == "clamped_swiglu",
-            HAS_W=weights is not None,
+            HAS_W=weights is not None, WRITE_H=with_h,
         )
     elif dw is not None:
         dw.zero_()

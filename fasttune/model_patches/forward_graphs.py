@@ -6,7 +6,7 @@ That forward can then be captured once as a CUDA graph and replayed: one launch 
 of-experts layer's ~70 and the Python around them. The host then reaches the backward ~40 ms ahead of
 the GPU on 8 Qwen3-30B-A3B layers and keeps it busy to the end (H200: 119.9 → 97.5 ms/step on a host
 that could not keep up, 102.0 → 97.3 on one that could; benchmarks/RESULTS.md). The price: the graphs'
-memory pool keeps one layer's forward working set reserved for the whole step (0.92 GiB there); the
+memory pool keeps one layer's forward working set reserved for the whole step (0.67 GiB there); the
 experts' backward takes its temporaries from that pool, idle by then (``kernels/scratch_pool.py``).
 
 What a replay must reproduce, and how:

@@ -137,7 +137,9 @@ def _nf4(case, nested):
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["frozen_experts_lora", "gpt_oss_lora_bias"])
-def test_nf4_weights_equal_their_dequantised_values(device, name, dtype, nested, monkeypatch):
+def test_nf4_weights_equal_their_dequantised_values(device, name, dtype, nested, monkeypatch, deterministic):
+    """Bitwise against the dense weights; on CUDA under deterministic algorithms (the bias gradients'
+    ``index_add_`` is atomic otherwise)."""
     case = _case(device, dtype, seed=7, **{**CASES[name], "frozen": True})
     held, dense = _nf4(case, nested)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(8)).to(device, dtype)
@@ -248,6 +250,21 @@ def test_widened_fresh_adapter_equals_no_adapter_bit_for_bit(device, dtype):
     plain = grouped_mlp(x.detach(), index, weights.detach(), *[p._replace(wide=None) for p in (gate_up, down)], glu)
     check_in_norm(again, plain, what="LoRA after a pass without adapters", rtol=1e-5 if dtype == torch.float32
                   else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_without_autograd_equals_the_functions_output(device, dtype, monkeypatch):
+    """No gradient asked for (a checkpointed layer's forward): the same output bit for bit, without the
+    autograd Function (its gate/up product is freed before the down product's output exists)."""
+    x, index, weights, gate_up, down, glu = _case(device, dtype, seed=31, **CASES["gpt_oss_lora_bias"])
+    want = grouped_mlp(x, index, weights, gate_up, down, glu)
+    assert want.grad_fn is not None
+    applied = []
+    real = grouped_mlp_mod.GroupedMLPFunction.apply
+    monkeypatch.setattr(grouped_mlp_mod.GroupedMLPFunction, "apply", lambda *a: applied.append(1) or real(*a))
+    with torch.no_grad():
+        got = grouped_mlp(x, index, weights, gate_up, down, glu)
+    assert not applied and got.grad_fn is None and torch.equal(got, want.detach())
 
 
 @pytest.mark.parametrize("num_experts", [5, 256, 300])

@@ -76,6 +76,18 @@ def test_overwrite_writes_the_gradient_into_gate_up(device):
     assert dgu.data_ptr() == buf.data_ptr() and torch.equal(dgu, expect)
 
 
+@pytest.mark.parametrize("kind", ["silu", "clamped_swiglu"])
+def test_without_h_gives_the_same_gradients_and_no_h(device, kind):
+    """``with_h=False`` (grouped_mlp's backward, which computed h before): dgate_up and dweights bit for
+    bit those with h, h None; and ``moe_glu`` is bit for bit the h the backward recomputes."""
+    glu = ExpertGLU(kind, 1.702, 0.5)
+    gu, w, dh = _inputs(device, torch.bfloat16, kind, seed=11)
+    dgu, h, dw = moe_glu_backward(gu, dh, w, glu)
+    dgu2, h2, dw2 = moe_glu_backward(gu, dh, w, glu, with_h=False)
+    assert h2 is None and torch.equal(dgu2, dgu) and torch.equal(dw2, dw)
+    assert torch.equal(moe_glu(gu, w, glu), h)
+
+
 def test_bad_inputs(device):
     gu = torch.randn(4, 6, device=device)
     with pytest.raises(ValueError, match="glu.kind"):

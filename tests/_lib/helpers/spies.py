@@ -32,14 +32,14 @@ def model_patch_counts(report) -> dict[str, int]:
 
 
 def grouped_mlp_output_unused(monkeypatch) -> list[bool]:
-    """The ``output_unused`` flag of every forward of the grouped expert-MLP Function, in call order
-    (False: a full call; True: a checkpoint recompute's gate/up product alone)."""
+    """The ``output_unused`` flag of every fused forward of the grouped expert MLP (with autograd or
+    without), in call order (False: a full call; True: a checkpoint recompute's gate/up product alone)."""
     flags = []
-    real = grouped_mlp_mod.GroupedMLPFunction.forward
+    real = grouped_mlp_mod._forward
 
-    def spy(ctx, x, index, weights, glu, meta, output_unused, *tensors):
+    def spy(x, index, weights, glu, meta, output_unused, tensors, save):
         flags.append(output_unused)
-        return real(ctx, x, index, weights, glu, meta, output_unused, *tensors)
+        return real(x, index, weights, glu, meta, output_unused, tensors, save)
 
-    monkeypatch.setattr(grouped_mlp_mod.GroupedMLPFunction, "forward", staticmethod(spy))
+    monkeypatch.setattr(grouped_mlp_mod, "_forward", spy)
     return flags
