@@ -21,8 +21,9 @@ Backward, given dh = ∂L/∂h [S, I] (the gradient of the *weighted* h):
 
 The backward also returns h (recomputed, weighted) on request, which the down projection's weight
 gradient needs, so neither h nor v is kept between forward and backward (a caller that wants h's
-buffer gone before dgate_up's exists computes it by ``moe_glu`` first, bit for bit the same). dgate_up is written over the
-saved gate_up buffer when the caller allows it (every element is loaded before its own store).
+buffer gone before dgate_up's exists computes it by ``moe_glu`` first, bit for bit the same).
+dgate_up is written over the saved gate_up buffer when the caller allows it (every element is
+loaded before its own store).
 
 One program per block of rows, a loop over column blocks (the row sums of dw stay in registers). fp32 math,
 one rounding at the store; dw is fp32. Dtypes float32, float16, bfloat16.
