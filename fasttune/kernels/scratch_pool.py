@@ -1,10 +1,10 @@
 """A backward's scratch tensors allocated in a CUDA graph pool that is idle at that time.
 
 With ``FastConfig.checkpoint_forward_graphs`` the checkpointed layers' forwards are replayed from CUDA
-graphs whose memory pool keeps one layer's forward working set reserved for the whole step (0.92 GiB
+graphs whose memory pool keeps one layer's forward working set reserved for the whole step (0.67 GiB
 on a Qwen3-MoE layer at 8k tokens), while the eager allocator's peak comes later, in backward, where
 the routed experts' backward holds its own [rows, ·] scratch (the gathered output gradient, the gate/up
-gradient, the input's gradient: ~0.7 GiB there). Both are working sets of one layer, never needed at once, so
+gradient, the input's gradient: ~0.45 GiB there at once). Both are working sets of one layer, never needed at once, so
 the backward's scratch can live in the graphs' pool: the pool's free blocks hold nothing between two
 replays (a graph writes them before it reads them), and the scratch dies before the backward
 returns, long before the next forward replays a graph.
