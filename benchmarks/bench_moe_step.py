@@ -36,6 +36,7 @@ Usage (H200, repo root, peers' wheels as for bench_step.py):
     python3 benchmarks/bench_moe_step.py --layers 8 --stacks fasttune,unsloth --profile fasttune,unsloth
     python3 benchmarks/bench_moe_step.py --layers 8 --weights nf4 --stacks hf,fasttune   # QLoRA, NF4 experts
     python3 benchmarks/bench_moe_step.py --layers 8 --model gpt-oss-20b
+    python3 benchmarks/bench_moe_step.py --layers 8 --stacks fasttune,unsloth --rounds 3   # alternating, median
     python3 benchmarks/bench_moe_step.py --smoke     # tiny model on CPU (interpreter) or GPU: checks the script
 """
 
@@ -280,9 +281,41 @@ def run_stack(stack: str, args, log) -> list[dict]:
     return rows + missing
 
 
+def _spread(values: list) -> str:
+    """One value as is; several (one per round) as min–max."""
+    values = [v for v in values if v is not None]
+    if len(values) <= 1:
+        return str(values[0]) if values else ""
+    return f"{min(values)}–{max(values)}"
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """{(stack, shape): row}; with ``--rounds`` > 1 the rounds' rows of a stack and shape merged: the
+    median tok/s (the ratios' basis), each round's tok/s and peak memory kept as lists."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["stack"], r["shape"]), []).append(r)
+    merged = {}
+    for key, rs in groups.items():
+        ok = [r for r in rs if "tokens_per_s" in r]
+        if not ok:
+            merged[key] = rs[-1]
+            continue
+        speeds = sorted(r["tokens_per_s"] for r in ok)
+        merged[key] = dict(ok[0], tokens_per_s=speeds[len(speeds) // 2] if len(speeds) % 2 else
+                           round((speeds[len(speeds) // 2 - 1] + speeds[len(speeds) // 2]) / 2),
+                           rounds_tokens_per_s=[r["tokens_per_s"] for r in ok],
+                           rounds_peak_gib=[r["peak_gib"] for r in ok],
+                           rounds_peak_reserved_gib=[r.get("peak_reserved_gib") for r in ok],
+                           failed_rounds=len(rs) - len(ok))
+    return merged
+
+
 def table(rows: list[dict], args) -> str:
-    by = {(r["stack"], r["shape"]): r for r in rows}
-    out = ["| stack | shape | tok/s (× hf, × unsloth) | peak allocated GiB | peak reserved GiB |", "|---|---|---|---|---|"]
+    by = merge_rounds(rows)
+    several = getattr(args, "rounds", 1) > 1
+    head = "tok/s, median of the rounds (× hf, × unsloth); each round" if several else "tok/s (× hf, × unsloth)"
+    out = [f"| stack | shape | {head} | peak allocated GiB | peak reserved GiB |", "|---|---|---|---|---|"]
     for stack in args.stacks:
         for b, s in args.shapes:
             r = by.get((stack, f"{b}x{s}"), {})
@@ -291,8 +324,14 @@ def table(rows: list[dict], args) -> str:
                 continue
             ratios = [f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}× {name}" for name in ("hf", "unsloth")
                       if "tokens_per_s" in (ref := by.get((name, f"{b}x{s}"), {})) and name != stack]
-            out.append(f"| {stack} | {b}x{s} | {r['tokens_per_s']:,} ({', '.join(ratios) or '-'}) | {r['peak_gib']} "
-                       f"| {r.get('peak_reserved_gib', '')} |")
+            speed = f"{r['tokens_per_s']:,} ({', '.join(ratios) or '-'})"
+            if several:
+                speed += "; " + ", ".join(f"{v:,}" for v in r["rounds_tokens_per_s"]) + (
+                    f"; {r['failed_rounds']} failed" if r["failed_rounds"] else "")
+                out.append(f"| {stack} | {b}x{s} | {speed} | {_spread(r['rounds_peak_gib'])} "
+                           f"| {_spread(r['rounds_peak_reserved_gib'])} |")
+            else:
+                out.append(f"| {stack} | {b}x{s} | {speed} | {r['peak_gib']} | {r.get('peak_reserved_gib', '')} |")
     return "\n".join(out)
 
 
@@ -312,6 +351,9 @@ def parse_args(argv=None):
                    help="fasttune's FastConfig.moe_experts_nf4 (auto: NF4 experts when --weights nf4)")
     p.add_argument("--shapes", default="4x2048", help="batch x sequence, comma-separated")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the stacks this many times, alternating, each in a fresh process: the table gives the "
+                        "median tok/s and the range of peak memory (a stack's reserve moves between processes)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
                    help="Python's garbage collector during the timed steps (freeze: the model leaves its generations)")
@@ -341,6 +383,8 @@ def parse_args(argv=None):
     args.stash = [s for s in args.stash.split(",") if s]
     if any(s not in ("experts", "attention") for s in args.stash):
         p.error(f"--stash takes experts and/or attention, got {args.stash}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.layers is None:
         args.layers = 2 if args.smoke else 8
     if args.smoke and args.shapes == [(4, 2048)]:
@@ -366,14 +410,18 @@ def main(argv=None) -> None:
     log(" ".join(f"{k}={v}" for k, v in info.items()) + f" layers={args.layers} lora={args.lora} "
         f"model={args.model} attention={args.attention or MODELS[args.model][2]} weights={args.weights} experts_nf4={args.experts_nf4} stash={','.join(args.stash) or 'none'}")
     rows = []
-    for stack in args.stacks:
-        rows += run_stack(stack, args, log)
+    for n in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            log(f"round {n} of {args.rounds}")
+        for stack in args.stacks:
+            rows += [dict(r, round=n) for r in run_stack(stack, args, log)]
     print("\n" + table(rows, args) + f"\n\ntotal {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"versions": info, "model": args.model, "attention": args.attention or MODELS[args.model][2],
                        "layers": args.layers, "lora": args.lora, "weights": args.weights,
-                       "experts_nf4": args.experts_nf4, "stash": args.stash, "rows": rows}, f, indent=1)
+                       "experts_nf4": args.experts_nf4, "stash": args.stash, "rounds": args.rounds, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,27 @@ def test_ab_forward_graphs_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert "RESULT run eager" in stdout and result["eager"]["ms"] > 0, stdout
     assert result["captured"] == result["replays"] == 0 and all(map(math.isfinite, result["eager"]["losses"]))
+
+
+def test_bench_moe_step_rounds_table_takes_medians_and_memory_ranges():
+    """``--rounds``: each stack's rows of every round merge into one table line: the median tok/s
+    (the ratios' basis), each round's tok/s, the range of peak memory, failed rounds counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_moe_step as moe
+
+    args = moe.parse_args(["--stacks", "fasttune,unsloth", "--rounds", "3"])
+
+    def row(stack, n, tok, alloc, reserved):
+        return dict(stack=stack, shape="4x2048", round=n, tokens_per_s=tok, peak_gib=alloc, peak_reserved_gib=reserved)
+
+    rows = [row("fasttune", 1, 300, 13.44, 14.19), row("unsloth", 1, 200, 13.81, 14.15),
+            row("fasttune", 2, 330, 13.44, 14.06), dict(stack="unsloth", shape="4x2048", round=2, error="boom"),
+            row("fasttune", 3, 310, 13.44, 14.12), row("unsloth", 3, 250, 13.81, 13.99)]
+    lines = moe.table(rows, args).splitlines()
+    assert "median of the rounds" in lines[0]
+    assert lines[2] == "| fasttune | 4x2048 | 310 (1.38× unsloth); 300, 330, 310 | 13.44–13.44 | 14.06–14.19 |"
+    assert lines[3] == "| unsloth | 4x2048 | 225 (-); 200, 250; 1 failed | 13.81–13.81 | 13.99–14.15 |"
+    single = moe.table(rows[:2], moe.parse_args(["--stacks", "fasttune,unsloth"])).splitlines()
+    assert single[2] == "| fasttune | 4x2048 | 300 (1.50× unsloth) | 13.44 | 14.19 |"
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--rounds", "0"])
