@@ -282,11 +282,12 @@ def run_stack(stack: str, args, log) -> list[dict]:
 
 
 def _spread(values: list) -> str:
-    """One value as is; several (one per round) as min–max."""
+    """One value (or several equal ones) as is; several (one per round) as min–max."""
     values = [v for v in values if v is not None]
-    if len(values) <= 1:
-        return str(values[0]) if values else ""
-    return f"{min(values)}–{max(values)}"
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}–{hi}"
 
 
 def merge_rounds(rows: list[dict]) -> dict:
