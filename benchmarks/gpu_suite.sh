@@ -18,6 +18,8 @@
 #             the step's peak allocated and peak reserved memory: with the patch's expandable segments, then
 #             with fixed segments (does the reserve, not the allocation, decide what fits?)  RESERVE_S=110 each
 #   gemm      bench_gemm.py: one 8B layer's matrix products, and regroupings     GEMM_S=60
+#   moe       bench_moe_step.py: 8 Qwen3-30B-A3B layers, MOE_STACKS (fasttune,unsloth) with the forward's CUDA
+#             graphs, MOE_ROUNDS (3) alternating rounds in fresh processes (reserves move between processes) MOE_S=560
 #   vlm       bench_vlm.py: Qwen2.5-VL-7B shape with images, hf / fasttune / unsloth (VLM_ARGS) VLM_S=560
 #   launch    accelerate launch examples/multi_gpu/train.py over every GPU with ddp.yaml,
 #             fsdp2.yaml and deepspeed_zero3.yaml: the embedded model (full fine-tuning) and
@@ -63,6 +65,9 @@ job() {  # job NAME GPU
                         --out "$out/reserve_${conf:-expandable}.json" | grep -E "tokens|stream|OOM|Error"
                 done ;;
         gemm) env $env timeout "${GEMM_S:-60}" python3 benchmarks/bench_gemm.py --out "$out/gemm.json" ;;
+        moe) env $env timeout "${MOE_S:-560}" python3 benchmarks/bench_moe_step.py --budget-s $(( ${MOE_S:-560} - 20 )) \
+                --layers 8 --steps 8 --warmup 3 --stacks "${MOE_STACKS:-fasttune,unsloth}" --forward-graphs \
+                --rounds "${MOE_ROUNDS:-3}" --out "$out/moe.json" ${MOE_ARGS:-} ;;
         vlm) env $env timeout "${VLM_S:-560}" python3 benchmarks/bench_vlm.py --stack-timeout-s 240 \
                 --steps 3 --warmup 1 --out "$out/vlm.json" ${VLM_ARGS:-} ;;
         launch) launch_examples ;;

@@ -132,8 +132,8 @@ class FastConfig:
                 "instead of the layer's many, so the host reaches the backward ahead of the GPU. 8 Qwen3-30B-A3B "
                 "layers on an H200: 119.9 -> 97.5 ms/step where the host could not keep up, 102.0 -> 97.3 where it "
                 "could. Costs one layer's forward working set, kept reserved in the graphs' memory pool (0.67 GiB "
-                "there), which the experts' backward reuses for its temporaries (+0.47 GiB reserved in all: 14.19 "
-                "GiB against 13.72 eager and Unsloth's 13.99-14.15). "
+                "there), which the experts' backward reuses for its temporaries (+0.34-0.47 GiB reserved in all: "
+                "14.06-14.19 GiB against 13.72 eager and Unsloth's 13.99-14.15). "
                 "Layers with dropout in training, or that record router logits for transformers, stay "
                 "eager (logged); a new input layout or adapter switch is captured anew."})
     cuda_expandable_segments: bool = field(default=True, metadata={
