@@ -246,14 +246,21 @@ class StashedRef:
         return flat.as_strided(self.shape, self.stride, self.offset)
 
 
-def _storages(params) -> set[int]:
-    ptrs = set()
-    for p in params:
-        try:
-            ptrs.add(p.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-            pass
-    return ptrs
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+        return None
+
+
+def _parameter_memory(t: torch.Tensor, params: tuple) -> bool:
+    """``t`` lives in the memory of one of ``params`` as they are now, not as they were when the core
+    began: a parameter re-homed during the core (``lora_widen`` moves a frozen weight into its bordered
+    buffer at its first fused call) has a new address, and its old one, freed, may come back as a new
+    activation's (addresses recorded at the start made such an activation stay on the device, at
+    random, as the allocator reused memory). A dozen parameters per core: a cheap scan."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(_storage_ptr(p) == ptr for p in params)
 
 
 def _span(t: torch.Tensor) -> int:
@@ -280,7 +287,7 @@ class LayerStash:
         self._by_address: dict[tuple, StashedBlock] = {}
         self._alive: list[torch.Tensor] | None = None
         self._kind = ATTENTION  # of the core running now
-        self._param_storages: set[int] | None = None
+        self._params: tuple = ()  # the core's module's parameters (their memory is not stashed)
 
     def begin(self, recompute: bool) -> contextvars.Token:
         """Enter a pass of the layer call (its forward or a recompute). A recompute starts fetching
@@ -336,7 +343,7 @@ class LayerStash:
                 or not self.chain.admit(core_bytes)):
             self.plan[key] = None
             return core()
-        self._param_storages = _storages(module.parameters())
+        self._params = tuple(module.parameters())
         self._alive = []
         self._by_address = {}
         self._kind = kind
@@ -350,6 +357,7 @@ class LayerStash:
         finally:
             self._alive = None
             self._by_address = {}
+            self._params = ()
         if ref is None:  # the core's output is a plain contiguous tensor (attention.py); anything else is a bug
             raise RuntimeError(f"attention stash: the core's output {type(out).__name__} {tuple(out.stride())} "
                                "cannot be copied flat")
@@ -374,7 +382,7 @@ class LayerStash:
         if not force:
             if nbytes < self.chain.min_bytes or (not saved_all and (not t.requires_grad or t.is_leaf)):
                 return None
-            if t.untyped_storage().data_ptr() in self._param_storages:
+            if _parameter_memory(t, self._params):
                 return None
         detached = t.detach()
         storage = detached.untyped_storage()

@@ -115,6 +115,28 @@ def test_a_second_backward_through_a_retained_graph():
     assert chain.stats.cores_skipped == 2 * chain.stats.cores_stashed == 2 * model.config.num_hidden_layers
 
 
+def test_an_address_a_re_homed_parameter_gave_up_holds_an_activation_again():
+    """A parameter re-homed during a core (``lora_widen`` moves a frozen weight into its bordered buffer
+    at its first fused call) frees its old storage, and a new activation may get that address: it is
+    stashed like any other (it was once kept on the device as "parameter memory", at random, as the
+    allocator reused addresses). A view of a parameter as it is now still stays where it is."""
+    from fasttune.model_patches.attention_stash import ATTENTION, LayerStash
+
+    chain = _stashed(_model())
+    stash = LayerStash(chain, None)
+    lin = torch.nn.Linear(8, 8)
+    stash._params = tuple(lin.parameters())  # as a core's start records them
+    stash._alive, stash._by_address, stash._kind = [], {}, ATTENTION
+    assert stash.ref(lin.weight.view(64)) is None  # a parameter's memory stays where it is
+    old = lin.weight.detach()  # its storage, held here as a reused address would be by a new tensor
+    lin.weight.data = torch.randn(8, 8)  # re-homed
+    leaf = torch.empty(0).set_(old.untyped_storage(), 0, (8, 8), (8, 1)).requires_grad_()
+    activation = leaf.view(8, 8)  # not a leaf, requires grad, at the parameter's old address
+    assert activation.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
+    assert stash.ref(activation) is not None
+    assert stash.ref(lin.weight.view(64)) is None  # its new memory is the parameter's too
+
+
 @pytest.mark.parametrize("budget_layers", [0, 1])
 def test_past_the_host_budget_layers_are_recomputed_exactly(budget_layers, caplog):
     batch = make_batch(_model().config.vocab_size, seed=6)
