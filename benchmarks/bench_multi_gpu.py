@@ -22,8 +22,12 @@ tokens; the global batch is N of them. Phases (``--modes``; zero3 only when name
          bf16 on, no gradient clipping and a torch AdamW client optimizer (no compiled DeepSpeed
          ops); lm_head registered with the causal LM and the LoRA projections with their attention
          / MLP (``register_zero3_lm_head``, ``register_zero3_fused_lora``: what FastTrainer does at
-         train begin), so the fused loss and fused LoRA run on gathered weights. Skipped, with the
-         reason in its row, when deepspeed is not installed.
+         train begin), so the fused loss and fused LoRA run on gathered weights; the frozen weights
+         left to DeepSpeed's per-module gathers (``zero3_keep_frozen_gathered=False``). Skipped,
+         with the reason in its row, when deepspeed is not installed.
+  zero3-gathered  zero3, then fasttune's ``keep_frozen_gathered_zero3`` (FastTrainer's default at train
+         begin): the frozen weights kept gathered from their first use in a step to the optimizer
+         step when they fit half the free memory (one all-gather each per step)
 
 Loss check (before the timed steps, same weights in every phase): the global batch's loss (mean
 over all its tokens: each rank's token sum over the global count), the global gradient norm, one
@@ -37,7 +41,7 @@ scaling = tokens/s ÷ (N × tokens/s of 1 GPU).
 Usage (H200s, repo root; < 5 minutes for N=2):
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
     accelerate launch --num_processes 2 benchmarks/bench_multi_gpu.py --out $OUT/bench_multi_gpu.json
-    torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --modes 1gpu,zero3 --out $OUT/zero3.json
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --modes 1gpu,zero3,zero3-gathered --out $OUT/zero3.json
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --weights nf4 --modes 1gpu,ddp,fsdp2,fsdp2-gathered
     torchrun --nproc_per_node 2 benchmarks/bench_multi_gpu.py --smoke    # CPU, gloo: checks the script
 """
@@ -91,7 +95,7 @@ except ImportError:  # bench_step.py absent: the same model, built here
                                                                 "up_proj", "down_proj"], task_type="CAUSAL_LM"))
 
 GIB = 1 << 30
-MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-gathered", "fsdp2-prefetch2", "zero3")
+MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-gathered", "fsdp2-prefetch2", "zero3", "zero3-gathered")
 DEFAULT_MODES = ("1gpu", "ddp", "fsdp2", "fsdp2-gathered")  # zero3 on request: it needs deepspeed and another ~1.5 min
 SGD_EPS = 1e6  # AdamW's first step with eps this large is SGD with lr / eps (|g| ≪ eps)
 
@@ -134,7 +138,7 @@ def build(args, mode: str):
 
         to_nf4(base, quant_storage=param_dtype())
     model = add_lora(base)
-    if mode == "zero3":
+    if mode.startswith("zero3"):
         import deepspeed
 
         deepspeed.zero.Init(module=model, config_dict_or_path=zero3_config(args))
@@ -152,7 +156,7 @@ def zero3_config(args) -> dict:
             "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
 
 
-def zero3_engine(model, args):
+def zero3_engine(model, args, mode: str):
     """``deepspeed.initialize`` with a torch AdamW client optimizer; lm_head and the LoRA projections
     registered for the fused paths."""
     import deepspeed
@@ -164,12 +168,19 @@ def zero3_engine(model, args):
     if not register_zero3_lm_head(engine):
         raise RuntimeError("lm_head is not a ZeRO-3 parameter: the fused loss would not run")
     log(f"zero3: LoRA projections registered with {register_zero3_fused_lora(engine)} attention/MLP modules")
+    if mode == "zero3-gathered":  # FastConfig's default ("auto"); forced on the CPU smoke run
+        from fasttune import FastConfig
+        from fasttune.hf_integration.distributed import keep_frozen_gathered_zero3
+
+        keep = None if torch.cuda.is_available() else True
+        log(f"zero3-gathered: {keep_frozen_gathered_zero3(engine, FastConfig(zero3_keep_frozen_gathered=keep))} "
+            "frozen parameters kept gathered")
     return engine
 
 
 def wrap(model, mode: str, args):
-    if mode == "zero3":
-        return zero3_engine(model, args)
+    if mode.startswith("zero3"):
+        return zero3_engine(model, args, mode)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -208,7 +219,7 @@ def global_batch(args, world: int, seed: int) -> torch.Tensor:
 
 
 def backward(model, loss: torch.Tensor, mode: str) -> None:
-    if mode == "zero3":
+    if mode.startswith("zero3"):
         model.backward(loss)  # the engine reduce-scatters the gradients into its partitions
     else:
         loss.backward()
@@ -232,7 +243,7 @@ def grad_sq(model, mode: str) -> torch.Tensor:
 
     sq = torch.zeros((), device=device(), dtype=torch.float64)
     for p in model.parameters():
-        if mode == "zero3" and p.requires_grad:
+        if mode.startswith("zero3") and p.requires_grad:
             from deepspeed.utils import safe_get_local_grad
 
             sq += safe_get_local_grad(p).double().pow(2).sum()  # this rank's partition of the fp32 gradient
@@ -244,7 +255,7 @@ def grad_sq(model, mode: str) -> torch.Tensor:
 
 def sgd_step(model, opt, mode: str, lr: float) -> None:
     """One SGD step of ``lr`` (ZeRO-3: its AdamW's first step with eps ≫ |g|, see module doc)."""
-    if mode != "zero3":
+    if not mode.startswith("zero3"):
         opt.param_groups[0]["lr"] = lr
         opt.step()
         return
@@ -261,11 +272,12 @@ def loss_check(model, mode: str, args, world: int) -> dict:
     rank = dist.get_rank()
     b = args.shape[0]
     out = {}
-    opt = None if mode == "zero3" else torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    opt = None if mode.startswith("zero3") else torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                                                lr=0.0)
     ids = global_batch(args, world, 1)
     n_items = ids.shape[0] * (ids.shape[1] - 1)
     for key in ("loss", "loss_after_sgd"):
-        grad = key == "loss" or mode != "zero3"  # ZeRO-3: no gradient to clear after the second loss
+        grad = key == "loss" or not mode.startswith("zero3")  # ZeRO-3: no gradient to clear after the second loss
         if mode == "1gpu":  # the whole global batch here, as `world` accumulated micro-batches
             loss = sum(micro_loss(model, mode, ids[r * b:(r + 1) * b], n_items, 1.0) for r in range(world))
         else:  # DDP/FSDP/ZeRO average the gradients: scale by the world size, as transformers does
@@ -274,7 +286,7 @@ def loss_check(model, mode: str, args, world: int) -> dict:
         out[key] = float(loss)
         if key == "loss":
             sq = grad_sq(model, mode)
-            if mode.startswith("fsdp2") or mode == "zero3":
+            if mode.startswith("fsdp2") or mode.startswith("zero3"):
                 dist.all_reduce(sq)  # shards: sum of squares over ranks
             out["grad_norm"] = math.sqrt(float(sq))
             sgd_step(model, opt, mode, args.sgd_step / max(out["grad_norm"], 1e-12))
@@ -288,7 +300,8 @@ def loss_check(model, mode: str, args, world: int) -> dict:
 def timed(model, mode: str, args, world: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     fused = torch.cuda.is_available() and not mode.startswith("fsdp2")  # fused AdamW on plain tensors; foreach on DTensors
-    opt = None if mode == "zero3" else torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=fused or None)
+    opt = None if mode.startswith("zero3") else torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0,
+                                                                  fused=fused or None)
     b, s = args.shape
     ids = global_batch(args, world, 3)[dist.get_rank() * b:(dist.get_rank() + 1) * b].to(device())
 
@@ -296,7 +309,7 @@ def timed(model, mode: str, args, world: int) -> dict:
         with torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
             loss = model(input_ids=ids, labels=ids).loss
         backward(model, loss, mode)
-        if mode == "zero3":
+        if mode.startswith("zero3"):
             model.step()  # the engine's AdamW on its partitions; zeroes the gradients
         else:
             opt.step()
@@ -325,10 +338,10 @@ def run_mode(mode: str, args, world: int) -> dict:
     row = dict(mode=mode)
     if mode == "1gpu" and dist.get_rank() != 0:
         return row
-    if mode == "zero3" and importlib.util.find_spec("deepspeed") is None:
+    if mode.startswith("zero3") and importlib.util.find_spec("deepspeed") is None:
         row["error"] = "skipped: deepspeed is not installed"
         return row
-    if mode == "zero3" and args.weights == "nf4":
+    if mode.startswith("zero3") and args.weights == "nf4":
         row["error"] = "skipped: NF4 bases under ZeRO-3 are not measured by this script"
         return row
     t0 = time.perf_counter()

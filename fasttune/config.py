@@ -150,6 +150,14 @@ class FastConfig:
                 "to backward (one all-gather per step instead of two or three; each GPU holds those layers "
                 "unsharded at the end of forward, as DDP does); None: False when those layers take at most "
                 "half of the free GPU memory."})
+    zero3_keep_frozen_gathered: bool | None = field(default=None, metadata={
+        "help": "DeepSpeed ZeRO-3: keep the frozen parameters (a LoRA/QLoRA base) gathered from their first "
+                "use in a step until the optimizer step, as DeepSpeed's persistent parameters: each is "
+                "all-gathered once per step instead of around every module's forward, checkpoint recompute "
+                "and backward (each GPU holds them whole at the end of forward, as DDP does; adapters, "
+                "gradients and optimizer states stay partitioned). True always; False leaves DeepSpeed's "
+                "setting; None: True when they take at most half of the smallest free GPU memory among the "
+                "ranks and are not offloaded to the CPU."})
 
     # --- logging -------------------------------------------------------------------------
     log_throughput: bool = field(default=True, metadata={

@@ -230,6 +230,14 @@ def test_trl_trainer_on_two_ranks_matches_one_process(tmp_path, trainer):
         assert rel_err(torch.tensor(two[0]["adapter"][name]), torch.tensor(values)) <= RTOL, name
 
 
+@needs_dist
+@pytest.mark.distributed
+def test_keep_gathered_choices_see_the_smallest_free_memory_of_any_rank(tmp_path):
+    """The FSDP2 and ZeRO-3 keep-gathered choices must be the same on every rank (different choices
+    issue different collectives and hang): they compare with the least free GPU memory of all ranks."""
+    assert [r["free"] for r in launch("free_memory", tmp_path)] == [1 << 30, 1 << 30]
+
+
 # --- DeepSpeed ZeRO-3 ------------------------------------------------------------------------------------
 
 @needs_dist
@@ -242,10 +250,11 @@ def test_zero3_matches_one_process_and_gathers_for_export(tmp_path):
     then the fused loss and fused LoRA run on whole weights (LoRA patched before or after
     partitioning; full fine-tuning, also tied, partitioned before patching as zero.Init leaves it);
     loss, gradients and AdamW steps = one process; the export gather gives rank 0 the trained
-    weights and partitions them again after."""
+    weights and partitions them again after. With ``zero3_keep_frozen_gathered`` the frozen weights
+    are all-gathered once per step and stay whole through backward (against a run without it)."""
     from helpers.tiny_models import tiny_config
 
-    cases = ("lora", "lora_init", "full_init", "full_tied_init")
+    cases = ("lora", "lora_init", "full_init", "full_tied_init", "lora_frozen_gathered", "lora_per_module")
     ranks = launch("zero3", tmp_path, *cases)
     whole = [VOCAB, tiny_config("llama").hidden_size]
     for i, name in enumerate(cases):
@@ -271,6 +280,33 @@ def test_zero3_matches_one_process_and_gathers_for_export(tmp_path):
             assert s["max_grad_err"] <= tol and (s["lm_head_err"] or 0.0) <= tol, f"{where}: {s}"
         assert (case["steps"][0]["lm_head_err"] is not None) is (name == "full_init")  # untied, trainable
         assert case["export_is_engine"] and case["export_shapes_equal"] and case["export_err"] <= ADAM_RTOL, case
+    _check_frozen_gathers(ranks, cases)
+
+
+def _check_frozen_gathers(ranks: list[dict], cases: tuple[str, ...]) -> None:
+    """Frozen elements all-gathered per frozen element in each step's forward + backward. Once
+    DeepSpeed's trace of the module order is complete again after the setup changed it (from the
+    fourth step): exactly once, every frozen parameter still whole after backward, with
+    ``zero3_keep_frozen_gathered``; more than once (the attention projections again for the
+    checkpoint recompute and backward) and nothing left whole, without it. Same numbers either way."""
+    runs = {name: [rank["cases"][cases.index(name)] for rank in ranks]
+            for name in ("lora_frozen_gathered", "lora_per_module")}
+    for name, per_rank in runs.items():
+        for r, case in enumerate(per_rank):
+            kept = name == "lora_frozen_gathered"
+            n_frozen = case["frozen_persistent"][1]
+            assert case["frozen_persistent"] == [n_frozen if kept else 0, n_frozen] and case["marked_again"] == 0, case
+            steady = case["steps"][3:]
+            assert len(case["steps"]) == 4 and steady, case["steps"]
+            for s in steady:
+                where = f"rank {r} {name}: {s['frozen_gathers']} gathers, {s['frozen_whole_after_backward']} whole"
+                if kept:
+                    assert s["frozen_gathers"] == 1.0 and s["frozen_whole_after_backward"] == n_frozen, where
+                else:
+                    assert s["frozen_gathers"] > 1.1 and s["frozen_whole_after_backward"] == 0, where
+    kept, per_module = runs["lora_frozen_gathered"][0], runs["lora_per_module"][0]
+    assert [s["loss_err"] for s in kept["steps"]] == [s["loss_err"] for s in per_module["steps"]]
+    assert [s["max_grad_err"] for s in kept["steps"]] == [s["max_grad_err"] for s in per_module["steps"]]
 
 
 # --- DeepSpeed ZeRO-3 (one process; DeepSpeed's parameter attributes stood in for) ----------------------

@@ -26,6 +26,8 @@ The patched forwards need no distributed code of their own in two of the three m
   those parameters external parameters of the attention / MLP, gathered around its forward and
   backward (inside the engine's forward DeepSpeed also discovers and registers them on first
   read); a call whose weights are not gathered for it takes PEFT's path (``model_patches/zero3.py``).
+  Frozen parameters (a LoRA base) that fit are kept gathered from their first use in a step to the
+  optimizer step (``keep_frozen_gathered_zero3``): one all-gather each per step.
   Tested on DeepSpeed's CPU accelerator (tests/test_distributed.py): LoRA (fused) and full
   fine-tuning, tied embeddings, a model partitioned before or after patching, loss, gradients
   and AdamW steps equal to one process.
@@ -178,21 +180,40 @@ def keep_adapter_layers_gathered(model: nn.Module, config: FastConfig) -> int:
         device = next(units[0].parameters()).device
         if device.type != "cuda":
             return 0
-        free = torch.cuda.mem_get_info(device)[0]
+        free = smallest_free_gpu_memory(device)
         if gathered > GATHER_MEMORY_SHARE * free:
             logger.info("fasttune: FSDP2 layers reshard after forward (%.1f GiB unsharded > half of %.1f GiB free)",
                         gathered / GIB, free / GIB)
             return 0
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
+    _reserve_from_activation_budget(model, gathered - local)
+    logger.info("fasttune: %d FSDP2 units keep their weights gathered from forward to backward (%.1f GiB "
+                "unsharded): one all-gather per step", len(units), gathered / GIB)
+    return len(units)
+
+
+def smallest_free_gpu_memory(device: torch.device) -> int:
+    """The least free memory of any rank's GPU. The keep-gathered choices are made with it: every rank
+    must choose alike (ranks that gather differently issue different collectives and hang), and the
+    GPUs of one job need not have the same memory free (another process's context on one of them)."""
+    free = torch.cuda.mem_get_info(device)[0]
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        on = device if "nccl" in str(dist.get_backend()) else "cpu"
+        t = torch.tensor([free], dtype=torch.int64, device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        free = int(t.item())
+    return free
+
+
+def _reserve_from_activation_budget(model: nn.Module, nbytes: int) -> None:
+    """With ``checkpointing="auto"``: weights kept gathered take ``nbytes`` from its activation budget."""
     from ..model_patches.checkpointing import layer_checkpointing
 
     state = layer_checkpointing(model)
     if state is not None and state.policy is not None:
-        state.policy.reserved_bytes = max(0, gathered - local)
-    logger.info("fasttune: %d FSDP2 units keep their weights gathered from forward to backward (%.1f GiB "
-                "unsharded): one all-gather per step", len(units), gathered / GIB)
-    return len(units)
+        state.policy.reserved_bytes = max(0, nbytes)
 
 
 def _param_groups(unit) -> list:
@@ -296,14 +317,70 @@ def register_zero3_fused_lora(model: nn.Module) -> int:
     return len(owners)
 
 
+def keep_frozen_gathered_zero3(model: nn.Module, config: FastConfig) -> int:
+    """ZeRO-3: keep the frozen parameters (a LoRA/QLoRA base) gathered from their first use in a step
+    until the optimizer step.
+
+    DeepSpeed all-gathers a module's partitioned parameters around its forward and again around its
+    backward (fasttune's checkpoint recompute is a third forward), on the step's critical path, and
+    frees them after each. Marked ``ds_persist``, a parameter is left gathered by DeepSpeed's
+    coordinator once its trace of the step is complete (from the second step on) until the optimizer
+    step partitions every parameter: each frozen weight is then all-gathered once per step, and the
+    per-module gathers carry only the adapters. The cost is DDP's memory at the end of forward: each
+    GPU holds those weights whole. Trainable parameters are never marked here: they change at every
+    step, and DeepSpeed gathers its persistent parameters again after the step only when it chose
+    them itself at initialisation (``stage3_param_persistence_threshold``).
+
+    ``config.zero3_keep_frozen_gathered``: False leaves DeepSpeed's setting; True marks them; None
+    ("auto") marks them when their whole size is at most half of the smallest free GPU memory among the
+    ranks (``smallest_free_gpu_memory``) and DeepSpeed keeps their partitions on the GPU (not offloaded to
+    the CPU); never without CUDA. With ``checkpointing="auto"``, their whole size less the local
+    partitions is taken from its activation budget. Call on every rank after the parameters were
+    partitioned and before the first step (FastTrainer: at train begin); ``model`` may be the engine.
+
+    Returns:
+        How many parameters were marked (0 when none, or not ZeRO-3).
+    """
+    setting = config.zero3_keep_frozen_gathered
+    if setting is False:
+        return 0
+    module = _unwrap_engine(model)
+    params = list({id(p): p for p in module.parameters()
+                   if is_zero3_param(p) and not p.requires_grad and not getattr(p, "ds_persist", False)}.values())
+    if not params:
+        return 0
+    whole = sum(p.ds_numel * p.element_size() for p in params)
+    local = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params if p.ds_tensor is not None)
+    if setting is None:
+        if not torch.cuda.is_available():
+            return 0
+        offloaded = [p for p in params if p.ds_tensor is not None and p.ds_tensor.device.type != "cuda"]
+        if offloaded:
+            logger.info("fasttune: ZeRO-3 frozen parameters are offloaded to %s: DeepSpeed gathers them per module",
+                        offloaded[0].ds_tensor.device.type)
+            return 0
+        free = smallest_free_gpu_memory(torch.device("cuda", torch.cuda.current_device()))
+        if whole > GATHER_MEMORY_SHARE * free:
+            logger.info("fasttune: ZeRO-3 gathers frozen parameters per module (%.1f GiB whole > half of %.1f GiB "
+                        "free)", whole / GIB, free / GIB)
+            return 0
+    for p in params:
+        p.ds_persist = True
+    _reserve_from_activation_budget(module, whole - local)
+    logger.info("fasttune: ZeRO-3 keeps %d frozen parameters (%.1f GiB whole) gathered from their first use in a "
+                "step to the optimizer step: one all-gather each per step", len(params), whole / GIB)
+    return len(params)
+
+
 def _unwrap_engine(model: nn.Module) -> nn.Module:
     """The model inside a ``deepspeed.DeepSpeedEngine`` (by name: deepspeed is imported only when present)."""
     return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 class DistributedHeadCallback(TrainerCallback):
-    """At ``on_train_begin`` (after accelerate wrapped the model): ``register_zero3_lm_head`` and
-    ``register_zero3_fused_lora`` under ZeRO-3, ``keep_adapter_layers_gathered`` under FSDP2."""
+    """At ``on_train_begin`` (after accelerate wrapped the model): ``register_zero3_lm_head``,
+    ``register_zero3_fused_lora`` and ``keep_frozen_gathered_zero3`` under ZeRO-3,
+    ``keep_adapter_layers_gathered`` under FSDP2."""
 
     def __init__(self, config: FastConfig | None = None):
         self.config = config or FastConfig()
@@ -324,6 +401,7 @@ def setup_sharded_model(model: nn.Module, config: FastConfig) -> str:
         if n:
             logger.info("fasttune: ZeRO-3 LoRA projections registered with %d attention/MLP modules: "
                         "fused LoRA runs", n)
+        keep_frozen_gathered_zero3(model, config)
     elif kind == DTENSOR:
         keep_adapter_layers_gathered(model, config)
     return kind
@@ -395,5 +473,6 @@ def _swap_in_full(model: nn.Module, is_main: bool, to_cpu: bool) -> list[tuple[n
 
 
 __all__ = ["DistributedHeadCallback", "fsdp_checkpointing_requested", "gathered_weights",
-           "keep_adapter_layers_gathered", "register_zero3_fused_lora", "register_zero3_lm_head",
-           "release_fsdp_checkpointing", "set_ddp_defaults", "setup_sharded_model", "sharding_kind"]
+           "keep_adapter_layers_gathered", "keep_frozen_gathered_zero3", "register_zero3_fused_lora",
+           "register_zero3_lm_head", "release_fsdp_checkpointing", "set_ddp_defaults", "setup_sharded_model",
+           "sharding_kind", "smallest_free_gpu_memory"]

@@ -9,14 +9,17 @@ import types
 from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
 import fasttune.model_patches.head as head_module
 from fasttune import FastConfig, FastTrainer, patch_model
 from fasttune.embedded import PadCollator
+import fasttune.hf_integration.distributed as distributed
 from fasttune.hf_integration.distributed import (DistributedHeadCallback, fsdp_checkpointing_requested,
-                                                 gathered_weights, register_zero3_lm_head,
+                                                 gathered_weights, keep_frozen_gathered_zero3, register_zero3_lm_head,
                                                  release_fsdp_checkpointing, set_ddp_defaults, sharding_kind)
+from fasttune.model_patches.checkpointing import layer_checkpointing
 from helpers.compare import rel_err
 from helpers.tiny_models import make_batch, tiny_model
 from helpers.train_data import random_lm_rows
@@ -117,3 +120,54 @@ def test_gathered_weights_is_a_no_op_without_sharding():
     with gathered_weights(model, is_main=True) as m:
         assert m is model and all(p is before[n] for n, p in m.named_parameters())
     assert all(p is before[n] for n, p in model.named_parameters())
+
+
+def _as_zero3_partitions(model, device: str = "cuda"):
+    """Every parameter as DeepSpeed ZeRO-3 leaves it on 2 ranks (attributes stood in for: an id, a
+    status, half of its elements as the local partition on ``device``); LoRA's adapters stay trainable."""
+    for i, p in enumerate(model.parameters()):
+        part = (p.numel() + 1) // 2
+        p.ds_id, p.ds_status, p.ds_persist, p.ds_numel = i, SimpleNamespace(name="NOT_AVAILABLE"), False, p.numel()
+        p.ds_tensor = SimpleNamespace(device=torch.device(device), numel=lambda n=part: n, element_size=lambda: 4)
+    return model
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama", vocab_size=VOCAB), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    patch_model(model, FastConfig(checkpointing="auto"))
+    return model
+
+
+@pytest.mark.parametrize("setting, cuda, device, free_gib, marked", [
+    (False, True, "cuda", 100, False),   # off
+    (None, False, "cuda", 100, False),   # "auto" without CUDA
+    (None, True, "cpu", 100, False),     # "auto" with the partitions offloaded to the CPU
+    (None, True, "cuda", 0, False),      # "auto": more than half of the smallest free memory
+    (None, True, "cuda", 100, True),     # "auto" within it
+    (True, False, "cpu", 0, True),       # asked for
+])
+def test_zero3_frozen_parameters_are_kept_gathered_when_asked_or_when_they_fit(monkeypatch, caplog, setting, cuda,
+                                                                              device, free_gib, marked):
+    """``keep_frozen_gathered_zero3`` marks the frozen ZeRO-3 parameters persistent (never a trainable
+    one), and takes their gathered size less the local partitions from "auto" checkpointing's budget;
+    the multi-rank run (DeepSpeed's coordinator keeping them whole) is in tests/test_distributed.py."""
+    model = _as_zero3_partitions(_lora_model(), device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(distributed, "smallest_free_gpu_memory", lambda device: free_gib << 30)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert frozen and trainable
+    with caplog.at_level("INFO", logger="fasttune"):
+        n = keep_frozen_gathered_zero3(model, FastConfig(checkpointing="auto", zero3_keep_frozen_gathered=setting))
+    assert n == (len(frozen) if marked else 0)
+    assert all(p.ds_persist is marked for p in frozen) and not any(p.ds_persist for p in trainable)
+    whole = sum(p.numel() * 4 for p in frozen)
+    expected = whole - sum((p.numel() + 1) // 2 * 4 for p in frozen) if marked else 0
+    assert layer_checkpointing(model).policy.reserved_bytes == expected
+    if cuda and setting is None and not marked:  # why not, in the log
+        assert "gathers them per module" in caplog.text or "gathers frozen parameters per module" in caplog.text
+    assert keep_frozen_gathered_zero3(model, FastConfig(zero3_keep_frozen_gathered=True)) == (
+        0 if marked else len(frozen))  # marked ones are not counted twice

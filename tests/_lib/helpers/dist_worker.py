@@ -435,6 +435,7 @@ def scenario_fsdp2(rank: int, world: int, *cases: str) -> dict:
 ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
                 "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+ZERO3_GATHER_STEPS = 4
 
 
 class _ShapeSpy(_Spy):
@@ -463,35 +464,62 @@ def _adamw(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
 
 
+def _count_frozen_gathers(module) -> dict:
+    """Elements of frozen parameters that DeepSpeed all-gathers, counted from now on (its coordinator
+    gathers through each parameter's ``all_gather_coalesced``)."""
+    counts = {"frozen": 0}
+    for p in module.parameters():
+        def counted(params, *args, _gather=p.all_gather_coalesced, **kwargs):
+            counts["frozen"] += sum(q.ds_numel for q in params if not q.requires_grad)
+            return _gather(params, *args, **kwargs)
+
+        p.all_gather_coalesced = counted
+    return counts
+
+
 def _zero3_case(name: str, rank: int, world: int, batches, spy, lora_calls) -> dict:
     """"lora": patched, then partitioned by ``deepspeed.initialize``. "lora_init", "full_init",
     "full_tied_init": partitioned before patching (as transformers' ``zero.Init`` load leaves a
-    model). Two AdamW steps through the engine, the first before ``setup_sharded_model`` (what
-    FastTrainer runs at train begin: lm_head and the fused LoRA projections registered), then the
-    export gather."""
+    model). "lora_frozen_gathered": "lora" with ``zero3_keep_frozen_gathered=True``, and
+    "lora_per_module" the same without it, both with DeepSpeed's reuse distance 0 (as in a model
+    larger than it: a parameter is released after each use) over more steps (DeepSpeed's trace of
+    the module order is recorded again after the setup changed it: it is complete from the fourth
+    step). AdamW steps through the engine, the first before ``setup_sharded_model`` (what FastTrainer
+    runs at train begin: lm_head and the fused LoRA projections registered), then the export gather."""
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_grad
     from fasttune import FastConfig
-    from fasttune.hf_integration.distributed import (gathered_weights, register_zero3_fused_lora,
-                                                     register_zero3_lm_head, setup_sharded_model, sharding_kind)
+    from fasttune.hf_integration.distributed import (gathered_weights, keep_frozen_gathered_zero3,
+                                                     register_zero3_fused_lora, register_zero3_lm_head,
+                                                     setup_sharded_model, sharding_kind)
 
     lora, tied, partition_first = name.startswith("lora"), "tied" in name, name.endswith("_init")
+    config = FastConfig(zero3_keep_frozen_gathered=name.endswith("_gathered"))
     model = _model(lora=lora, tied=tied)
     if partition_first:
         deepspeed.zero.Init(module=model, config_dict_or_path=ZERO3_CONFIG)
     model, patched = _patched(model)
     ref, _ = _patched(_model(lora=lora, tied=tied)) if rank == 0 else (None, None)
     ref_opt = _adamw(ref) if rank == 0 else None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=ZERO3_CONFIG)
+    ds_config = ZERO3_CONFIG
+    if name in ("lora_frozen_gathered", "lora_per_module"):
+        ds_config = {**ZERO3_CONFIG, "zero_optimization": {**ZERO3_CONFIG["zero_optimization"],
+                                                           "stage3_max_reuse_distance": 0}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=ds_config)
     module = engine.module
     head, causal_lm = module.get_output_embeddings(), module.get_base_model() if lora else module
     out = {"case": name, "patched": patched, "kind": sharding_kind(module), "steps": [],
            "partition_numel": head.weight.numel()}
+    frozen = list({id(p): p for p in module.parameters() if not p.requires_grad}.values())
+    frozen_numel = sum(p.ds_numel for p in frozen)
+    gathers = _count_frozen_gathers(module)
     for step, batch in enumerate(batches):
         if step == 1:
             out["external_before"] = sum(p is head.weight for _, p in causal_lm.ds_external_parameters())
-            out["setup"] = setup_sharded_model(engine, FastConfig())
+            out["setup"] = setup_sharded_model(engine, config)
+            out["frozen_persistent"] = [sum(p.ds_persist for p in frozen), len(frozen)]
+            out["marked_again"] = keep_frozen_gathered_zero3(engine, config)
             out["registered"] = [register_zero3_lm_head(engine), register_zero3_lm_head(module)]  # idempotent
             out["external_after"] = sum(p is head.weight for _, p in causal_lm.ds_external_parameters())
             out["lora_owners"] = register_zero3_fused_lora(engine)  # again: nothing registered twice
@@ -499,10 +527,14 @@ def _zero3_case(name: str, rank: int, world: int, batches, spy, lora_calls) -> d
                                        if m is not causal_lm and hasattr(m, "ds_external_parameters"))
         n = _n_items(batch)
         spy.take()
-        before = sum(c.calls for c in lora_calls)
+        before, gathers["frozen"] = sum(c.calls for c in lora_calls), 0
         loss = engine(**_shard(batch, rank, world), num_items_in_batch=n).loss * world
         engine.backward(loss)
-        record = {"head_calls": spy.take(), "fused_lora_calls": sum(c.calls for c in lora_calls) - before}
+        record = {"head_calls": spy.take(), "fused_lora_calls": sum(c.calls for c in lora_calls) - before,
+                  # frozen elements all-gathered in forward + backward, per frozen element; and how many
+                  # frozen parameters are still whole after backward
+                  "frozen_gathers": gathers["frozen"] / frozen_numel if frozen_numel else None,
+                  "frozen_whole_after_backward": sum(p.ds_status.name == "AVAILABLE" for p in frozen)}
         summed = loss.detach() / world
         torch.distributed.all_reduce(summed)
         grads = {k: safe_get_full_grad(p) for k, p in module.named_parameters() if p.requires_grad}  # collective
@@ -541,8 +573,20 @@ def scenario_zero3(rank: int, world: int, *cases: str) -> dict:
 
     spy = _ShapeSpy(head_module, "fused_linear_cross_entropy")
     lora_calls = [_Counter(lora_module, f) for f in ("lora_qkv", "lora_linear", "lora_mlp")]
-    batches = _global_batches(2, world)
-    return {"cases": [_zero3_case(name, rank, world, batches, spy, lora_calls) for name in cases]}
+    return {"cases": [_zero3_case(name, rank, world, _global_batches(ZERO3_GATHER_STEPS if name in (
+        "lora_frozen_gathered", "lora_per_module") else 2, world), spy, lora_calls) for name in cases]}
+
+
+# --- the keep-gathered choices: one answer on every rank -------------------------------------------------
+
+def scenario_free_memory(rank: int, world: int) -> dict:
+    """``smallest_free_gpu_memory`` when each rank's GPU reports a different free size (rank r: r + 1 GiB,
+    torch's query stood in for): every rank gets the smallest."""
+    import torch
+    from fasttune.hf_integration.distributed import smallest_free_gpu_memory
+
+    torch.cuda.mem_get_info = lambda device=None: ((rank + 1) << 30, 80 << 30)
+    return {"free": smallest_free_gpu_memory(torch.device("cpu"))}
 
 
 # --- FastTrainer under DDP: export and push on rank 0 only ----------------------------------------------
