@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import statistics
 import sys
 import threading
 import time
@@ -302,9 +303,7 @@ def merge_rounds(rows: list[dict]) -> dict:
         if not ok:
             merged[key] = rs[-1]
             continue
-        speeds = sorted(r["tokens_per_s"] for r in ok)
-        merged[key] = dict(ok[0], tokens_per_s=speeds[len(speeds) // 2] if len(speeds) % 2 else
-                           round((speeds[len(speeds) // 2 - 1] + speeds[len(speeds) // 2]) / 2),
+        merged[key] = dict(ok[0], tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in ok)),
                            rounds_tokens_per_s=[r["tokens_per_s"] for r in ok],
                            rounds_peak_gib=[r["peak_gib"] for r in ok],
                            rounds_peak_reserved_gib=[r.get("peak_reserved_gib") for r in ok],
