@@ -10,7 +10,10 @@ Issue #20's quality check of ``FastConfig(base_dtype="fp8")``, with no download:
    ``--lora-steps`` (200) AdamW steps on the same batches in the same order, from the same
    adapter initialisation, once with the 16-bit bases (``base_dtype="auto"``) and once with FP8
    bases (``"fp8"``); a third run with the 16-bit bases and another adapter seed shows the
-   run-to-run noise floor. The loss is logged as the mean of each 10 steps.
+   run-to-run noise floor. The loss is logged as the mean of each 10 steps. ``--seeds N`` runs
+   every arm with N adapter seeds: gaps are paired by seed and averaged, the 16-bit runs of
+   consecutive seeds give the noise floor. ``--variants`` adds diagnostic FP8 runs that leave
+   quantisations out (``VARIANTS``: dY, X, or both), to tell which one moves the curve.
 3. Printed: the loss table, the max relative loss gap fp8 vs bf16 at the logged steps (target
    ≤ 1%), two held-out metrics on words never trained on, before and after, for each run
    (target: within 1 point): exact match of the greedy completion and the teacher-forced accuracy
@@ -24,6 +27,7 @@ are short (~30 tokens): the products' shapes, not the data, are 8B-like in width
 
 Usage (H200, repo root; ≤ 4 minutes):
     python3 benchmarks/fp8_quality.py --out $OUT/fp8_quality.json
+    python3 benchmarks/fp8_quality.py --seeds 3 --variants fp8,fp8-fwd,fp8-w   # seed spread, ablations
     python3 benchmarks/fp8_quality.py --preset cpu      # the same on a CPU (the FP8 reference path)
     python3 benchmarks/fp8_quality.py --preset smoke    # checks the script in seconds
 """
@@ -31,6 +35,8 @@ Usage (H200, repo root; ≤ 4 minutes):
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import copy
 import json
 import math
@@ -167,7 +173,48 @@ def token_accuracy(model, tokenizer, rows) -> float:
     return hits / max(total, 1)
 
 
-def lora_run(base, tokenizer, train_rows, eval_rows, p, fp8: bool, adapter_seed: int, log) -> dict:
+VARIANTS = {
+    "fp8": "as shipped: X and dY quantised per row, W as e4m3 codes",
+    "fp8-fwd": "forward as shipped; dX = dY W of the dequantised codes, dY not quantised",
+    "fp8-bwd": "backward as shipped; Y = X Wᵀ of the dequantised codes, X not quantised",
+    "fp8-w": "the weight's codes only; X and dY not quantised, products of the dequantised codes",
+}
+
+
+@contextlib.contextmanager
+def fp8_products(variant: str, calls: collections.Counter):
+    """Run the FP8 bases as ``variant`` (VARIANTS), counting the products that ran. An ablation of
+    this benchmark only: the diagnostic variants swap fasttune's FP8 product functions, as the fused
+    LoRA path and ``fp8_linear`` look them up, for the dequantised-weight products, and put them back."""
+    from fasttune.kernels import fp8 as fp8_module
+    from fasttune.kernels import lora as lora_module
+
+    modules = (fp8_module, lora_module)
+    shipped = {m: (m.forward_product, m.grad_input_product) for m in modules}
+
+    def forward(x2, w, xq=None):
+        calls["forward"] += 1
+        if variant in ("fp8-w", "fp8-bwd"):  # exact in x2's dtype: e4m3 codes times a power of two fit bf16
+            return x2 @ w.dequantize(x2.dtype).t()
+        return shipped[fp8_module][0](x2, w, xq)
+
+    def grad_input(dy, w):
+        calls["grad_input"] += 1
+        if variant in ("fp8-w", "fp8-fwd"):
+            return dy @ w.dequantize(dy.dtype)
+        return shipped[fp8_module][1](dy, w)
+
+    for m in modules:
+        m.forward_product, m.grad_input_product = forward, grad_input
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.forward_product, m.grad_input_product = shipped[m]
+
+
+def lora_run(base, tokenizer, train_rows, eval_rows, p, variant: str | None, adapter_seed: int, log) -> dict:
+    """One LoRA fine-tune from ``base``: 16-bit bases (``variant`` None) or FP8 ones (VARIANTS)."""
     from peft import LoraConfig, get_peft_model
 
     from fasttune import FastConfig, patch_model
@@ -176,25 +223,32 @@ def lora_run(base, tokenizer, train_rows, eval_rows, p, fp8: bool, adapter_seed:
     torch.manual_seed(adapter_seed)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                              task_type="CAUSAL_LM"))
-    report = patch_model(model, FastConfig(base_dtype="fp8" if fp8 else "auto"))
-    if fp8:
+    report = patch_model(model, FastConfig(base_dtype="auto" if variant is None else "fp8"))
+    if variant is not None:
         missing = [t for t in LORA_TARGETS if report.patched["fp8_" + t] != p["layers"]]
         if missing:
             raise RuntimeError(f"FP8 bases missing on {missing}: {report}")
-    before, acc_before = exact_match(model, tokenizer, eval_rows), token_accuracy(model, tokenizer, eval_rows)
-    t0 = time.perf_counter()
-    losses = train(model, iter(Batches(tokenizer, train_rows, p["batch"], seed=11)), p["lora_steps"], p["lr"])
-    seconds = time.perf_counter() - t0
-    after, acc_after = exact_match(model, tokenizer, eval_rows), token_accuracy(model, tokenizer, eval_rows)
+    calls = collections.Counter()
+    with fp8_products(variant or "fp8", calls):
+        before, acc_before = exact_match(model, tokenizer, eval_rows), token_accuracy(model, tokenizer, eval_rows)
+        t0 = time.perf_counter()
+        losses = train(model, iter(Batches(tokenizer, train_rows, p["batch"], seed=11)), p["lora_steps"], p["lr"])
+        seconds = time.perf_counter() - t0
+        after, acc_after = exact_match(model, tokenizer, eval_rows), token_accuracy(model, tokenizer, eval_rows)
+    if variant is not None and not (calls["forward"] and calls["grad_input"]):
+        raise RuntimeError(f"{variant}: the FP8 products did not run ({dict(calls)})")
+    if variant is None and calls:
+        raise RuntimeError(f"16-bit bases ran FP8 products ({dict(calls)})")
     lines, _ = report.call_summary()
-    calls = [line for line in lines if line.startswith("fp8_")]
-    log(f"  {'fp8' if fp8 else '16-bit'} bases (adapter seed {adapter_seed}): {seconds:.1f} s, exact match "
+    fp8_calls = [line for line in lines if line.startswith("fp8_")]
+    log(f"  {variant or '16-bit'} bases (adapter seed {adapter_seed}): {seconds:.1f} s, exact match "
         f"{before:.1%} -> {after:.1%}, token accuracy {acc_before:.1%} -> {acc_after:.1%}"
-        + ("".join(f"\n    {c}" for c in calls[:2])))
+        + ("".join(f"\n    {c}" for c in fp8_calls[:2])))
     del model
     release()
-    return dict(losses=losses, exact_match_before=before, exact_match_after=after, token_accuracy_before=acc_before,
-                token_accuracy_after=acc_after, seconds=round(seconds, 1), fp8_calls=calls)
+    return dict(adapter_seed=adapter_seed, losses=losses, exact_match_before=before, exact_match_after=after,
+                token_accuracy_before=acc_before, token_accuracy_after=acc_after, seconds=round(seconds, 1),
+                fp8_calls=fp8_calls, product_calls=dict(calls))
 
 
 def release() -> None:
@@ -245,17 +299,111 @@ def projection_errors(base, batch) -> list[dict]:
     return rows
 
 
+# --- comparison --------------------------------------------------------------------------------------
+
+def paired_gaps(ref_runs: list[dict], runs: list[dict]) -> list[list[float]]:
+    """Per run of ``runs`` with a same-seed run in ``ref_runs``: its signed relative loss gap at each
+    logged step (positive: a higher loss than the reference's)."""
+    ref = {r["adapter_seed"]: r for r in ref_runs}
+    return [[(lb - la) / la for (_, la), (_, lb) in zip(ref[r["adapter_seed"]]["losses"], r["losses"])]
+            for r in runs if r["adapter_seed"] in ref]
+
+
+def seed_gaps(runs: list[dict]) -> list[list[float]]:
+    """The run-to-run noise: relative loss gaps between 16-bit runs of consecutive adapter seeds."""
+    return [[abs(lb - la) / la for (_, la), (_, lb) in zip(a["losses"], b["losses"])] for a, b in zip(runs, runs[1:])]
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _points(ref_runs, runs, key: str) -> float:
+    """Mean over same-seed pairs of the held-out metric's difference, in points."""
+    ref = {r["adapter_seed"]: r[key] for r in ref_runs}
+    return 100 * statistics.fmean(r[key] - ref[r["adapter_seed"]] for r in runs)
+
+
+def compare(runs: dict[str, list[dict]], label16: str) -> dict:
+    """Print the loss table and held-out metrics of every variant against the 16-bit runs; the summary."""
+    ref, variants = runs["bf16"], [v for v in runs if v != "bf16"]
+    noise = seed_gaps(ref)
+    n = min(len(runs[v]) for v in variants) if variants else 0
+    head = f"| step | {label16} (mean of {len(ref)}) |"
+    for v in variants:
+        head += f" {v} (mean of {len(runs[v])}) | {v} gap, mean" + (" ± sd |" if n > 1 else " |")
+    if noise:
+        head += f" {label16} between seeds (max) |"
+    print("\n" + head + "\n|" + "---|" * (head.count("|") - 1))
+    gaps = {v: paired_gaps(ref, runs[v]) for v in variants}
+    steps = [s for s, _ in ref[0]["losses"]]
+    for i, step in enumerate(steps):
+        line = f"| {step} | {statistics.fmean(r['losses'][i][1] for r in ref):.4f} |"
+        for v in variants:
+            m, sd = _mean_sd([g[i] for g in gaps[v]])
+            line += f" {statistics.fmean(r['losses'][i][1] for r in runs[v]):.4f} | {m:+.2%}"
+            line += f" ± {sd:.2%} |" if n > 1 else " |"
+        if noise:
+            line += f" {max(g[i] for g in noise):.2%} |"
+        print(line)
+    per_variant = {}
+    for v in variants:
+        means = [statistics.fmean(g[i] for g in gaps[v]) for i in range(len(steps))]
+        per_variant[v] = dict(
+            description=VARIANTS[v], seeds=[r["adapter_seed"] for r in runs[v]],
+            max_rel_loss_gap=max(abs(m) for m in means),
+            step_of_max=steps[max(range(len(steps)), key=lambda i: abs(means[i]))],
+            worst_pair_rel_loss_gap=max(abs(x) for g in gaps[v] for x in g), mean_gaps=means,
+            exact_match_gap_points=_points(ref, runs[v], "exact_match_after"),
+            token_accuracy_gap_points=_points(ref, runs[v], "token_accuracy_after"))
+    noise_max = max(x for g in noise for x in g) if noise else None
+    print()
+    for v, r in per_variant.items():
+        print(f"{v} ({r['description']}): largest relative loss gap to {label16}"
+              + (f", mean over {len(gaps[v])} adapter seeds," if len(gaps[v]) > 1 else "")
+              + f" {r['max_rel_loss_gap']:.2%} at step {r['step_of_max']} (target <= 1%); worst single pair "
+              f"{r['worst_pair_rel_loss_gap']:.2%}")
+    if noise_max is not None:
+        print(f"{label16} vs {label16} with another adapter seed: largest gap {noise_max:.2%}")
+
+    def held_out(key: str, name: str) -> None:
+        arms = ", ".join(f"{v if v != 'bf16' else label16} {statistics.fmean(r[key + '_before'] for r in rs):.1%} -> "
+                         f"{statistics.fmean(r[key + '_after'] for r in rs):.1%}"
+                         + (f" ({min(r[key + '_after'] for r in rs):.1%}-{max(r[key + '_after'] for r in rs):.1%})"
+                            if len(rs) > 1 else "") for v, rs in runs.items())
+        diffs = "; ".join(f"{v} vs {label16}: {per_variant[v][key + '_gap_points']:+.1f} points" for v in variants)
+        print(f"held-out {name} (mean before -> after, range over seeds): {arms}; {diffs} (target within 1)")
+
+    held_out("exact_match", "exact match")
+    held_out("token_accuracy", "token accuracy")
+    fp8 = per_variant.get("fp8", {})
+    return dict(max_rel_loss_gap=fp8.get("max_rel_loss_gap"), noise_floor_max_rel_gap=noise_max,
+                exact_match_gap_points=fp8.get("exact_match_gap_points"),
+                token_accuracy_gap_points=fp8.get("token_accuracy_gap_points"), variants=per_variant)
+
+
 # --- main --------------------------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--lora-steps", type=int, default=None, help="override the preset's LoRA steps (200 on gpu)")
-    ap.add_argument("--no-noise-floor", action="store_true", help="skip the second bf16 run (other adapter seed)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="adapter seeds per arm (7, 8, ...); gaps are paired by seed, and the 16-bit runs of "
+                         "different seeds are the noise floor")
+    ap.add_argument("--variants", default="fp8", type=lambda v: v.split(","),
+                    help=f"comma-separated FP8 runs: {'; '.join(f'{k}: {d}' for k, d in VARIANTS.items())}")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no adapter seed's runs that would end past this many seconds from the start")
+    ap.add_argument("--no-noise-floor", action="store_true",
+                    help="with --seeds 1: skip the second 16-bit run (adapter seed 8)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads when there is no GPU (1: small ops on a shared CPU are 10x faster)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or args.seeds < 1:
+        ap.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}" if unknown else "--seeds: at least 1")
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     p = dict(PRESETS[args.preset])
@@ -292,38 +440,21 @@ def main(argv=None) -> dict:
     batch = next(iter(Batches(tok, train_rows, p["batch"], seed=5)))
     proj = projection_errors(base, batch)
 
-    runs = {"bf16": lora_run(base, tok, train_rows, eval_rows, p, fp8=False, adapter_seed=7, log=log),
-            "fp8": lora_run(base, tok, train_rows, eval_rows, p, fp8=True, adapter_seed=7, log=log)}
-    if not args.no_noise_floor:
-        runs["bf16_seed8"] = lora_run(base, tok, train_rows, eval_rows, p, fp8=False, adapter_seed=8, log=log)
-
-    def gaps(a, b):
-        return [abs(lb - la) / la for (_, la), (_, lb) in zip(runs[a]["losses"], runs[b]["losses"])]
-
+    # Seed by seed, every arm, so that a cut by --budget-s leaves whole pairs.
+    runs, group_s = {"bf16": [], **{v: [] for v in args.variants}}, 0.0
+    for seed in range(7, 7 + args.seeds):
+        if args.budget_s and runs["bf16"] and time.perf_counter() - t_start + group_s > args.budget_s:
+            log(f"--budget-s {args.budget_s:.0f}: stopped before adapter seed {seed}")
+            break
+        t_group = time.perf_counter()
+        runs["bf16"].append(lora_run(base, tok, train_rows, eval_rows, p, None, seed, log))
+        for variant in args.variants:
+            runs[variant].append(lora_run(base, tok, train_rows, eval_rows, p, variant, seed, log))
+        group_s = time.perf_counter() - t_group
+    if args.seeds == 1 and not args.no_noise_floor:  # the noise floor: a 16-bit run with another adapter seed
+        runs["bf16"].append(lora_run(base, tok, train_rows, eval_rows, p, None, 8, log))
     label16 = "bf16" if device() == "cuda" else "fp32"
-    head = f"| step | {label16} | fp8 | rel gap |"
-    if "bf16_seed8" in runs:
-        head += f" {label16}, adapter seed 8 | its gap |"
-    print("\n" + head + "\n|" + "---|" * (head.count("|") - 1))
-    fp8_gaps, noise = gaps("bf16", "fp8"), gaps("bf16", "bf16_seed8") if "bf16_seed8" in runs else None
-    for i, ((step, l16), (_, l8)) in enumerate(zip(runs["bf16"]["losses"], runs["fp8"]["losses"])):
-        extra = f" {runs['bf16_seed8']['losses'][i][1]:.4f} | {noise[i]:.2%} |" if noise else ""
-        print(f"| {step} | {l16:.4f} | {l8:.4f} | {fp8_gaps[i]:.2%} |{extra}")
-    em = {k: (r["exact_match_before"], r["exact_match_after"]) for k, r in runs.items()}
-    acc = {k: (r["token_accuracy_before"], r["token_accuracy_after"]) for k, r in runs.items()}
-    summary = dict(max_rel_loss_gap=max(fp8_gaps), noise_floor_max_rel_gap=max(noise) if noise else None,
-                   exact_match=em, exact_match_gap_points=100 * abs(em["fp8"][1] - em["bf16"][1]),
-                   token_accuracy=acc, token_accuracy_gap_points=100 * abs(acc["fp8"][1] - acc["bf16"][1]))
-    print(f"\nmax relative loss gap fp8 vs {label16}: {summary['max_rel_loss_gap']:.2%} (target <= 1%)"
-          + (f"; {label16} vs {label16} with another adapter seed: {summary['noise_floor_max_rel_gap']:.2%}"
-             if noise else ""))
-    names = {"bf16": label16, "fp8": "fp8", "bf16_seed8": f"{label16} (adapter seed 8)"}
-    print("held-out exact match (before -> after): " + ", ".join(
-        f"{names[k]} {b:.1%} -> {a:.1%}" for k, (b, a) in em.items())
-          + f"; fp8 vs {label16}: {summary['exact_match_gap_points']:.1f} points (target <= 1)")
-    print("held-out token accuracy (before -> after): " + ", ".join(
-        f"{names[k]} {b:.1%} -> {a:.1%}" for k, (b, a) in acc.items())
-          + f"; fp8 vs {label16}: {summary['token_accuracy_gap_points']:.1f} points (target <= 1)")
+    summary = compare(runs, label16)
     print(f"\nper-projection error against float64 (mean over layers; dY Gaussian)\n"
           f"| projection | Y {label16} | Y fp8 | dX {label16} | dX fp8 |\n|---|---|---|---|---|")
     for r in proj:

@@ -8,7 +8,10 @@
 #   step      bench_step.py: hf, liger, fasttune (offload / recompute / auto in 80 GiB), unsloth;
 #             bf16 and NF4; 4x2048 and 1x8192 (more flags: STEP_ARGS)           STEP_S=540
 #   kernels   bench_kernels.py, with the RoPE launch sweep unless KERNELS_ARGS="" KERNELS_S=90
-#   tests     pytest -m gpu (every suite), then the fused-LoRA/checkpointing files TESTS_S=150 (+60)
+#   tests     pytest -m gpu (every suite: ~7 min on the H200), then the fused-LoRA/checkpointing files
+#             without the marker                                                 TESTS_S=480 (+60)
+#   fp8q      fp8_quality.py on the 0.54B model: FP8Q_SEEDS (3) adapter seeds per arm, the shipped FP8
+#             path and its ablations (FP8Q_VARIANTS=fp8,fp8-fwd,fp8-bwd,fp8-w)   FP8Q_S=570
 #   generate  bench_generate.py: bf16 and bf16+LoRA, batch 1 and 8, 32 layers     GENERATE_S=110
 #   trl       bench_trl.py: DPO and GRPO steps                                   TRL_S=130
 #   multi     torchrun over every GPU: bench_multi_gpu.py (a lane of its own;
@@ -42,7 +45,8 @@ job() {  # job NAME GPU
                 --out "$out/step.json" ${STEP_ARGS:-} ;;
         kernels) env $env timeout "${KERNELS_S:-90}" python3 benchmarks/bench_kernels.py --no-compile \
                 --reps 15 --out "$out/kernels.json" ${KERNELS_ARGS---tune-rope} ;;
-        tests) env $env timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests
+        tests) env $env timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=25 \
+                -m gpu tests
                 env $env timeout 60 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/kernels/test_lora_glu.py \
                 tests/kernels/test_lora.py tests/kernels/test_lora_wide.py tests/kernels/test_spare_columns.py \
                 tests/kernels/test_rms_norm.py tests/model_patches/test_lora_widen.py \
@@ -64,6 +68,9 @@ job() {  # job NAME GPU
                         --deadline $(( ${RESERVE_S:-110} - 10 )) --gpu-cap-gib "${RESERVE_CAP_GIB:-30}" --segments \
                         --out "$out/reserve_${conf:-expandable}.json" | grep -E "tokens|stream|OOM|Error"
                 done ;;
+        fp8q) env $env timeout "${FP8Q_S:-570}" python3 benchmarks/fp8_quality.py --seeds "${FP8Q_SEEDS:-3}" \
+                --budget-s $(( ${FP8Q_S:-570} - 40 )) \
+                --variants "${FP8Q_VARIANTS:-fp8,fp8-fwd,fp8-bwd,fp8-w}" --out "$out/fp8_quality.json" ;;
         gemm) env $env timeout "${GEMM_S:-60}" python3 benchmarks/bench_gemm.py --out "$out/gemm.json" ;;
         moe) env $env timeout "${MOE_S:-560}" python3 benchmarks/bench_moe_step.py --budget-s $(( ${MOE_S:-560} - 20 )) \
                 --layers 8 --steps 8 --warmup 3 --stacks "${MOE_STACKS:-fasttune,unsloth}" --forward-graphs \

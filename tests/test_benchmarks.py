@@ -6,6 +6,7 @@ catch the breakage here first (a stack that errors, a model that outlives its wo
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,13 +70,56 @@ def test_bench_step_smoke_fp8_stack(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_quality_smoke(tmp_path):
-    """fp8_quality.py end to end on a tiny model: both runs, the gap and the per-projection table."""
+    """fp8_quality.py end to end on a tiny model: two adapter seeds of each arm (one ablation), the
+    paired gaps, the noise floor between the 16-bit seeds and the per-projection table."""
     out = tmp_path / "q.json"
-    _run(["benchmarks/fp8_quality.py", "--preset", "smoke", "--no-noise-floor", "--out", str(out)], 900)
+    _run(["benchmarks/fp8_quality.py", "--preset", "smoke", "--seeds", "2", "--variants", "fp8,fp8-fwd",
+          "--out", str(out)], 900)
     result = json.loads(out.read_text())
-    assert set(result["runs"]) == {"bf16", "fp8"} and len(result["projection_errors"]) == 7
-    assert result["summary"]["max_rel_loss_gap"] <= 1e-2
+    assert {k: [r["adapter_seed"] for r in v] for k, v in result["runs"].items()} == {
+        "bf16": [7, 8], "fp8": [7, 8], "fp8-fwd": [7, 8]}
+    assert len(result["projection_errors"]) == 7 and set(result["summary"]["variants"]) == {"fp8", "fp8-fwd"}
+    assert result["summary"]["max_rel_loss_gap"] <= 1e-2 and result["summary"]["noise_floor_max_rel_gap"] > 0
     assert all(r["y_fp8"] > r["y_16"] for r in result["projection_errors"])
+
+
+def test_fp8_quality_variants_leave_one_quantisation_out_and_put_the_products_back():
+    """``--variants``: fp8-fwd multiplies dY unquantised, fp8-bwd X, fp8-w both; each counts its calls and
+    leave fasttune's product functions as they found them, also when the run fails."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fp8_quality
+
+    from fasttune.kernels import fp8, lora
+
+    shipped = (fp8.forward_product, fp8.grad_input_product, lora.forward_product, lora.grad_input_product)
+    torch.manual_seed(0)
+    w = fp8.Fp8Weight.quantize(torch.randn(24, 40))
+    x, dy, wd = torch.randn(5, 40, requires_grad=True), torch.randn(5, 24), w.dequantize()
+
+    def run(variant):
+        calls = collections.Counter()
+        with fp8_quality.fp8_products(variant, calls):
+            y = fp8.fp8_linear(x, w)
+            (dx,) = torch.autograd.grad(y, x, dy)
+        return y.detach(), dx, calls
+
+    y, dx, calls = run("fp8")
+    assert calls == {"forward": 1, "grad_input": 1}
+    assert torch.equal(y, fp8.forward_product(x.detach(), w)) and torch.equal(dx, fp8.grad_input_product(dy, w))
+    y_fwd, dx_fwd, _ = run("fp8-fwd")
+    assert torch.equal(y_fwd, y) and not torch.equal(dx_fwd, dx)
+    torch.testing.assert_close(dx_fwd, dy @ wd, rtol=1e-6, atol=1e-6)
+    y_bwd, dx_bwd, _ = run("fp8-bwd")
+    assert torch.equal(dx_bwd, dx) and not torch.equal(y_bwd, y)
+    torch.testing.assert_close(y_bwd, x.detach() @ wd.t(), rtol=1e-6, atol=1e-6)
+    y_w, dx_w, _ = run("fp8-w")
+    assert not torch.equal(y_w, y)
+    torch.testing.assert_close(y_w, x.detach() @ wd.t(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx_w, dy @ wd, rtol=1e-6, atol=1e-6)
+    assert (fp8.forward_product, fp8.grad_input_product, lora.forward_product, lora.grad_input_product) == shipped
+    with pytest.raises(ZeroDivisionError), fp8_quality.fp8_products("fp8-w", collections.Counter()):
+        1 / 0
+    assert (fp8.forward_product, fp8.grad_input_product, lora.forward_product, lora.grad_input_product) == shipped
 
 
 def test_gpu_suite_script_parses():
