@@ -122,8 +122,9 @@ def test_fp8_quality_variants_leave_one_quantisation_out_and_put_the_products_ba
     assert (fp8.forward_product, fp8.grad_input_product, lora.forward_product, lora.grad_input_product) == shipped
 
 
-def test_gpu_suite_script_parses():
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_suite.sh")], check=True)
+@pytest.mark.parametrize("script", ["benchmarks/gpu_suite.sh", "scripts/fetch_gpu_test_wheels.sh"])
+def test_gpu_session_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
 
 
 def _trace():
