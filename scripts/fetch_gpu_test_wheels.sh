@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Wheels the GPU image lacks for `pytest -m gpu` (the export tests read and write GGUF files), for its
-# Python 3.12 at the versions of constraints.txt, into .whl/ beside the peers' wheels (../shared/tools/fetch_peer_wheels.sh). Run from the
-# repository root on a machine that reaches PyPI; on the GPU machine install .whl/*.whl with
-# `pip install --no-index --no-deps --target /tmp/site` as that script says.
+# Wheels the GPU image lacks for `pytest -m gpu` (the export tests read and write GGUF files), for
+# its Python 3.12 at the versions of constraints.txt, into .whl/ beside the peers' wheels
+# (../shared/tools/fetch_peer_wheels.sh). Run from the repository root on a machine that reaches
+# PyPI; on the GPU machine install .whl/*.whl with `pip install --no-index --no-deps --target
+# /tmp/site` as that script says.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
