@@ -29,6 +29,7 @@ Usage (H200, repo root; ≤ 4 minutes):
     python3 benchmarks/fp8_quality.py --out $OUT/fp8_quality.json
     python3 benchmarks/fp8_quality.py --seeds 3 --variants fp8,fp8-fwd,fp8-w   # seed spread, ablations
     python3 benchmarks/fp8_quality.py --preset cpu      # the same on a CPU (the FP8 reference path)
+    python3 benchmarks/fp8_quality.py --preset cpu-wide # a 4-layer, 256-wide base on a CPU
     python3 benchmarks/fp8_quality.py --preset smoke    # checks the script in seconds
 """
 
@@ -52,6 +53,8 @@ PRESETS = {
                 lora_steps=200, lr=1e-3, batch=64, eval_rows=256),
     "cpu": dict(hidden=128, layers=2, heads=4, kv_heads=2, inter=384, pre_steps=600, pre_lr=3e-3,
                 lora_steps=200, lr=3e-3, batch=32, eval_rows=128),
+    "cpu-wide": dict(hidden=256, layers=4, heads=4, kv_heads=2, inter=768, pre_steps=600, pre_lr=3e-3,
+                     lora_steps=200, lr=3e-3, batch=32, eval_rows=128),
     "smoke": dict(hidden=64, layers=1, heads=2, kv_heads=1, inter=128, pre_steps=4, pre_lr=3e-3,
                   lora_steps=20, lr=3e-3, batch=8, eval_rows=8),
 }
