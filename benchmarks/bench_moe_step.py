@@ -134,7 +134,8 @@ def prepare(stack: str, args, log):
         report = patch_model(model, FastConfig(checkpointing=args.checkpointing, moe_experts_nf4=args.experts_nf4,
                                                experts_stash="experts" in args.stash,
                                                attention_stash="attention" in args.stash,
-                                               checkpoint_forward_graphs=args.forward_graphs))
+                                               checkpoint_forward_graphs=args.forward_graphs or args.backward_graphs,
+                                               checkpoint_backward_graphs=args.backward_graphs))
         common.release()  # the bf16 experts that NF4 replaced
         log("    " + str(report).replace("\n", "\n    "))
         want = {"moe": args.layers, **({"lora_moe": args.layers} if args.lora == "experts" else {})}
@@ -255,7 +256,8 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--host-profile", ",".join(args.host_profile), "--profile-steps", str(args.profile_steps),
            "--trace-dir", args.trace_dir,
            "--stash", ",".join(args.stash)] + (
-               ["--smoke"] if args.smoke else []) + (["--forward-graphs"] if args.forward_graphs else [])
+               ["--smoke"] if args.smoke else []) + (["--forward-graphs"] if args.forward_graphs else []) \
+        + (["--backward-graphs"] if args.backward_graphs else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
     rows, tail = [], []
@@ -362,6 +364,8 @@ def parse_args(argv=None):
                    "(FastConfig.experts_stash), attention (FastConfig.attention_stash)")
     p.add_argument("--forward-graphs", action="store_true",
                    help="fasttune: FastConfig(checkpoint_forward_graphs=True), the layers' forward from CUDA graphs")
+    p.add_argument("--backward-graphs", action="store_true",
+                   help="fasttune: FastConfig(checkpoint_backward_graphs=True), the layers' backward from CUDA graphs too")
     p.add_argument("--ckpt-dir", default=None, help="where unsloth's checkpoint is written/read ('' to skip)")
     p.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="write the rows as JSON here")

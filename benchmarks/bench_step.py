@@ -44,7 +44,8 @@ fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its ow
 core's saved tensors in host memory instead of recomputed; its counters follow the row),
 ``--no-grad-forward`` with ``FastConfig(checkpoint_no_grad_forward=True)`` (the checkpointed layers' forward
 without autograd, on for dense families too) and ``--forward-graphs`` with that and
-``FastConfig(checkpoint_forward_graphs=True)`` (that forward replayed from CUDA graphs).
+``FastConfig(checkpoint_forward_graphs=True)`` (that forward replayed from CUDA graphs); ``--backward-graphs``
+adds ``FastConfig(checkpoint_backward_graphs=True)`` (the layers' recompute and backward replayed too).
 
 ``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
 fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
@@ -231,8 +232,9 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
                                                attention_stash=args.attention_stash and mode != "recompute",
                                                memory_budget_gb=args.memory_budget_gb if mode == "auto" else None,
                                                checkpoint_no_grad_forward=True if args.no_grad_forward
-                                               or args.forward_graphs else None,
-                                               checkpoint_forward_graphs=args.forward_graphs,
+                                               or args.forward_graphs or args.backward_graphs else None,
+                                               checkpoint_forward_graphs=args.forward_graphs or args.backward_graphs,
+                                               checkpoint_backward_graphs=args.backward_graphs,
                                                **({} if args.loss_workspace_mib is None
                                                   else {"loss_workspace_mib": args.loss_workspace_mib})))
         log("    " + str(report).replace("\n", "\n    "))
@@ -562,7 +564,11 @@ def worker(stack: str, args) -> None:
                         log(f"    offload {row['offload']}; host pool {row['host_pool']}")
                     if getattr(state, "graphs", None) is not None:
                         row["graphs"] = dict(captures=state.graphs.captures, replays=state.graphs.replays)
-                        log(f"    forward graphs {row['graphs']}")
+                        bwd = state.graphs.backward
+                        if bwd is not None:
+                            row["graphs"]["backward"] = dict(captures=bwd.captures, replays=bwd.replays,
+                                                             eager=sorted(bwd.logged))
+                        log(f"    graphs {row['graphs']}; forward eager: {sorted(state.graphs.logged)}")
                     del state
                 if stack in args.profile:
                     row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
@@ -605,6 +611,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--attention-stash"] if args.attention_stash else []) \
         + (["--no-grad-forward"] if args.no_grad_forward else []) \
         + (["--forward-graphs"] if args.forward_graphs else []) \
+        + (["--backward-graphs"] if args.backward_graphs else []) \
         + ["--gc", args.gc] \
         + ([] if args.loss_workspace_mib is None else ["--loss-workspace-mib", str(args.loss_workspace_mib)]) \
         + ([] if args.memory_budget_gb is None else ["--memory-budget-gb", str(args.memory_budget_gb)])
@@ -700,6 +707,8 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(checkpoint_no_grad_forward=True) (on for dense families too)")
     p.add_argument("--forward-graphs", action="store_true",
                    help="fasttune stacks with FastConfig(checkpoint_forward_graphs=True) and the no-grad forward it needs")
+    p.add_argument("--backward-graphs", action="store_true",
+                   help="fasttune stacks with FastConfig(checkpoint_backward_graphs=True) and the forward graphs it needs")
     p.add_argument("--loss-workspace-mib", type=int, default=None,
                    help="fasttune stacks with FastConfig(loss_workspace_mib=N): the loss head's logit workspace")
     p.add_argument("--no-residual-norms", action="store_true",

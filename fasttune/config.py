@@ -136,6 +136,13 @@ class FastConfig:
                 "14.06-14.19 GiB against 13.72 eager and Unsloth's 13.99-14.15). "
                 "Layers with dropout in training, or that record router logits for transformers, stay "
                 "eager (logged); a new input layout or adapter switch is captured anew."})
+    checkpoint_backward_graphs: bool = field(default=False, metadata={
+        "help": "Opt-in, CUDA, with checkpoint_forward_graphs: a checkpointed layer's backward (its recompute "
+                "and back-propagation) is captured once as a CUDA graph too, in the same memory pool, and "
+                "replayed; the layer's parameter gradients are added to .grad after each replay (as autograd "
+                "would: same numbers). The backward's working set then lives in that pool, which the forward's "
+                "replays reuse. Layers whose parameters carry gradient hooks, that record router logits or run "
+                "dropout in training stay eager (logged)."})
     cuda_expandable_segments: bool = field(default=True, metadata={
         "help": "Switch torch's CUDA caching allocator to expandable segments when a model is patched on a "
                 "machine with CUDA (process-wide, for allocations from then on; undone by unpatch_model): "
@@ -193,6 +200,12 @@ class FastConfig:
             raise ValueError("attention_stash applies to checkpointing='offload' or 'auto', not 'recompute'")
         if self.experts_stash and self.checkpointing == "recompute":
             raise ValueError("experts_stash applies to checkpointing='offload' or 'auto', not 'recompute'")
+        if self.checkpoint_backward_graphs and not self.checkpoint_forward_graphs:
+            raise ValueError("checkpoint_backward_graphs needs checkpoint_forward_graphs=True (their graphs share "
+                             "one memory pool)")
+        if self.checkpoint_forward_graphs and self.checkpoint_no_grad_forward is False:
+            raise ValueError("checkpoint_forward_graphs replays the forward that checkpoint_no_grad_forward runs "
+                             "without autograd; it cannot be combined with checkpoint_no_grad_forward=False")
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
         if self.moe_experts_nf4 not in MOE_EXPERTS_NF4:

@@ -276,8 +276,8 @@ class LayerCheckpointing:
         self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
-        # Default: on for MoE families (host-bound layers), off for dense ones (GPU-bound: no_grad_forward.py).
-        self.no_grad_forward = moe if config.checkpoint_no_grad_forward is None else config.checkpoint_no_grad_forward
+        ngf = config.checkpoint_no_grad_forward  # None: on for MoE (host-bound), under forward graphs (replayed)
+        self.no_grad_forward = (moe or config.checkpoint_forward_graphs) if ngf is None else ngf
         self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
         self.graphs = no_grad_forward.forward_graphs(config)  # those forwards replayed from CUDA graphs, or None
         self._hf_flags, self._warned = [], False

@@ -85,6 +85,7 @@ class ForwardGraphs:
         self.pool = self.stream = None
         self.logged: set[str] = set()
         self.captures = self.replays = 0
+        self.backward = None  # backward_graphs.BackwardGraphs of the same layers, when on
 
     def run(self, call, hidden: torch.Tensor, layer: nn.Module, counts: Counter):
         """``call(hidden)`` (a ``no_grad_forward.LayerCall`` whose function has not run yet), replayed
@@ -138,41 +139,48 @@ class ForwardGraphs:
             self.logged.add(why)
             logger.info("fasttune: checkpointed layers' forward runs eagerly, not from CUDA graphs: %s", why)
 
-    def _buffer(self, name, like: torch.Tensor) -> torch.Tensor:
-        key = (name, tuple(like.shape), like.stride(), like.dtype, like.device)
+    def buffer(self, name, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A static tensor with the shape and strides of ``like`` (its dtype, or ``dtype``) under ``name``,
+        shared by every graph that asks for it."""
+        key = (name, tuple(like.shape), like.stride(), dtype or like.dtype, like.device)
         if key not in self.buffers:
-            self.buffers[key] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+            self.buffers[key] = torch.empty_strided(like.shape, like.stride(), dtype=key[3], device=like.device)
         return self.buffers[key]
+
+    def capture_pool(self):
+        """The pool id every capture of this model uses (the forwards' and ``backward_graphs``'), made on first
+        use with ``self.stream``, the one stream they are all captured on (its freed blocks are that stream's)."""
+        if self.pool is None:
+            # A MemPool, so that a layer's backward can take its temporaries from the same blocks
+            # (kernels/scratch_pool.py); torch without MemPool: a plain graph pool.
+            mempool = getattr(torch.cuda, "MemPool", None)
+            self.pool = mempool() if mempool is not None else torch.cuda.graph_pool_handle()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.pool.id if hasattr(self.pool, "id") else self.pool
 
     def _capture(self, key, call, layer, leaves, spec, tensors, counts: Counter):
         """Capture ``call`` on static copies of its inputs (nothing runs); an entry, or ``_EAGER``."""
-        inputs = [self._buffer(("in", i), t) for i, t in enumerate(tensors)]  # shared by every layer's graph
+        inputs = [self.buffer(("in", i), t) for i, t in enumerate(tensors)]  # shared by every layer's graph
         for buf, t in zip(inputs, tensors):
             buf.copy_(t)
         rest = iter(inputs[1:])
         static_args, static_kwargs = pytree.tree_unflatten(
             [next(rest) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
         fn, calls, counts0, memo0 = call.fn, call.fn.calls, Counter(counts), dict(call.fn.memo)
-        if self.pool is None:
-            # A MemPool, so that a layer's backward can take its temporaries from the same blocks
-            # (kernels/scratch_pool.py); torch without MemPool: a plain graph pool.
-            mempool = getattr(torch.cuda, "MemPool", None)
-            self.pool = mempool() if mempool is not None else torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         failed = None
         try:
             autocast = dict(enabled=torch.is_autocast_enabled("cuda"), dtype=torch.get_autocast_dtype("cuda"))
-            pool_id = self.pool.id if hasattr(self.pool, "id") else self.pool
-            if self.stream is None:
-                self.stream = torch.cuda.Stream()  # every capture on one stream: its freed blocks are that stream's
+            pool_id = self.capture_pool()
             with torch.cuda.graph(graph, pool=pool_id, stream=self.stream), \
                     torch.autocast("cuda", cache_enabled=False, **autocast):
                 out = fn(inputs[0], *static_args, **static_kwargs)
                 # Copied into buffers shared by every layer, inside the graph: the graph's own blocks go back
                 # to the pool, where the next layer's capture reuses them.
                 flat, out_spec = pytree.tree_flatten(out)
-                output = pytree.tree_unflatten([self._buffer(("out", i), t).copy_(t) if isinstance(t, torch.Tensor)
+                output = pytree.tree_unflatten([self.buffer(("out", i), t).copy_(t) if isinstance(t, torch.Tensor)
                                                 else t for i, t in enumerate(flat)], out_spec)
         except Exception as err:  # noqa: BLE001 - the layout stays eager, the reason logged once
             failed = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"

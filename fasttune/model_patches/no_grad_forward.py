@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..kernels.scratch_pool import scratch_pool
+from .backward_graphs import BackwardGraphs
 from .forward_graphs import ForwardGraphs
 from .instance import graphless_training
 from .layer_records import LayerRecords
@@ -141,22 +142,13 @@ class RecomputedLayer(torch.autograd.Function):
                                "which torch.autograd.grad (or backward(inputs=...)) cannot follow; use "
                                "loss.backward(), or FastConfig(checkpoint_no_grad_forward=False)")
         (hidden,) = ctx.saved_tensors
+        graphs = ctx.run.graphs.backward if ctx.run.graphs is not None else None
+        if graphs is not None:
+            d_hidden = graphs.run(ctx, hidden, grads, lambda h, g: _recompute(ctx, h, g, replayable=True))
+            if d_hidden is not NotImplemented:
+                return None, d_hidden, None
         h = hidden.detach().requires_grad_(ctx.hidden_grad)
-        devices = [ctx.device] if ctx.cuda_rng is not None else []
-        records = LayerRecords()
-        with torch.random.fork_rng(devices=devices), records.recording({k for k, _ in ctx.slots}) as fresh:
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
-            with torch.enable_grad(), _Autocast(ctx.autocast, ctx.autocast_cache):
-                out = ctx.run(h)
-        recorded = [fresh[k][i] if i < len(fresh.get(k, ())) else None for k, i in ctx.slots]
-        if any(t is None for t in recorded):
-            raise RuntimeError("a checkpointed layer's recompute recorded fewer outputs than its forward "
-                               f"({ctx.slots}); FastConfig(checkpoint_no_grad_forward=False) records the forward")
-        outs = ((out,) if isinstance(out, torch.Tensor) else tuple(out)) + tuple(recorded)
-        pairs = [(t, g) for t, g in zip(outs, grads)
-                 if isinstance(t, torch.Tensor) and g is not None and t.requires_grad]
+        pairs = _recompute(ctx, h, grads)
         if pairs:
             pool = ctx.run.graphs.scratch if ctx.run.graphs is not None else (None,)
             with scratch_pool(*pool):  # with CUDA graphs: the backward's temporaries may use their idle pool
@@ -164,9 +156,37 @@ class RecomputedLayer(torch.autograd.Function):
         return None, (h.grad if ctx.hidden_grad else None), None
 
 
+def _recompute(ctx, h: torch.Tensor, grads: tuple, replayable: bool = False) -> list[tuple]:
+    """Run ``ctx``'s layer again from ``h`` with autograd on, under its forward's autocast state (and RNG
+    states, unless ``replayable``: a CUDA graph's capture, which no layer drawing random numbers reaches);
+    the (output, gradient) pairs to back-propagate."""
+    devices = [ctx.device] if ctx.cuda_rng is not None and not replayable else []
+    records = LayerRecords()
+    with torch.random.fork_rng(devices=devices, enabled=not replayable), \
+            records.recording({k for k, _ in ctx.slots}) as fresh:
+        if not replayable:
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+        with torch.enable_grad(), _Autocast(ctx.autocast, ctx.autocast_cache and not replayable):
+            out = ctx.run(h)
+    recorded = [fresh[k][i] if i < len(fresh.get(k, ())) else None for k, i in ctx.slots]
+    if any(t is None for t in recorded):
+        raise RuntimeError("a checkpointed layer's recompute recorded fewer outputs than its forward "
+                           f"({ctx.slots}); FastConfig(checkpoint_no_grad_forward=False) records the forward")
+    outs = ((out,) if isinstance(out, torch.Tensor) else tuple(out)) + tuple(recorded)
+    return [(t, g) for t, g in zip(outs, grads) if isinstance(t, torch.Tensor) and g is not None and t.requires_grad]
+
+
 def forward_graphs(config) -> ForwardGraphs | None:
-    """A model's CUDA graphs of these forwards (``FastConfig.checkpoint_forward_graphs``), or None."""
-    return ForwardGraphs() if config.checkpoint_forward_graphs else None
+    """A model's CUDA graphs of these forwards (``FastConfig.checkpoint_forward_graphs``), with those of their
+    backward (``checkpoint_backward_graphs``) as its ``backward``; or None."""
+    if not config.checkpoint_forward_graphs:
+        return None
+    graphs = ForwardGraphs()
+    if config.checkpoint_backward_graphs:
+        graphs.backward = BackwardGraphs(graphs)
+    return graphs
 
 
 class LayerCall:

@@ -25,13 +25,18 @@ from helpers.tiny_models import make_batch, tiny_model
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def _model(device="cpu", router_logits=False):
+def _model(device="cpu", router_logits=False, family="qwen3_moe"):
+    """A mixture-of-experts model with LoRA on attention and experts; a dense one (family="llama") with
+    LoRA on all seven projections (the fused GLU and widened LoRA paths)."""
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model("qwen3_moe", seed=0, output_router_logits=router_logits)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                             target_parameters=EXPERT_TARGETS, lora_dropout=0.0,
-                                             init_lora_weights=False))
+    if family == "qwen3_moe":
+        model = tiny_model(family, seed=0, output_router_logits=router_logits)
+        targets = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERT_TARGETS)
+    else:
+        model = tiny_model(family, seed=0)
+        targets = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **targets))
     return model.to(device).train()
 
 
@@ -107,11 +112,12 @@ def test_the_option_defaults_off():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
 @pytest.mark.parametrize("autocast", [True, False])
-def test_cuda_replays_equal_eager_steps_bitwise(autocast):
+def test_cuda_replays_equal_eager_steps_bitwise(autocast, family):
     """Six steps, AdamW between them: the first WARM_CALLS run eager, the next captures, the rest replay.
     Loss and every gradient equal the eager model's bit for bit, and the run-time counts are the same."""
-    base = _model("cuda")
+    base = _model("cuda", family=family)
     batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(6)]
     runs, counts, models = [], [], []
     for graphs in (True, False):
