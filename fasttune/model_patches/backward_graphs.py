@@ -16,7 +16,8 @@ backward is captured once per layer and layout and replayed:
   it, so the pool holds the largest of one layer's forward or backward working set, and the main
   pool no longer holds the backward's.
 
-Left eager (logged once each): a layout seen fewer than ``WARM_CALLS`` times, dropout in training,
+Left eager (logged once each): mixture-of-experts layers (their bitwise GPU test failed, cause not yet
+known), a layout seen fewer than ``WARM_CALLS`` times, dropout in training,
 a layer that records tensors for transformers (router logits), parameters with gradient hooks (a
 replay does not run them), a backward that builds a graph of its own (``create_graph``), and a
 capture that fails.
@@ -63,8 +64,9 @@ def accumulate(params, grads) -> None:
 class BackwardGraphs:
     """The backward graphs of one model's checkpointed layers, in the pool of its ``ForwardGraphs``."""
 
-    def __init__(self, forward: ForwardGraphs):
+    def __init__(self, forward: ForwardGraphs, moe: bool = False):
         self.forward = forward
+        self.moe = moe  # mixture-of-experts layers stay eager (see why_eager)
         self.entries: dict = {}
         self.seen: Counter = Counter()
         self.logged: set[str] = set()
@@ -73,6 +75,10 @@ class BackwardGraphs:
     def why_eager(self, layer: nn.Module, params: list, ctx) -> str | None:
         if not ctx.device.type == "cuda" or torch.cuda.is_current_stream_capturing():
             return "not on CUDA"
+        if self.moe:
+            # Their GPU test (tests/model_patches/test_backward_graphs.py) failed in session 29 on a cause
+            # the log did not keep: eager until it is found.
+            return "mixture-of-experts layers (not verified on the GPU)"
         if torch.is_grad_enabled():
             return "a backward that records a graph (create_graph=True)"
         if ctx.slots:

@@ -124,7 +124,8 @@ def test_cpu_tensors_stay_eager_with_the_option_on():
 def test_cuda_backward_replays_equal_eager_steps_bitwise(autocast, family):
     """Six single-batch steps, then three of two micro-batches (the replays add to existing .grad): loss
     and every gradient equal those of the eager model (no graphs at all), bit for bit, with the same
-    run-time counts; every layer captured its backward once and replayed it after WARM_CALLS."""
+    run-time counts; every dense layer captured its backward once and replayed it after WARM_CALLS.
+    Mixture-of-experts layers keep an eager backward (logged): nothing captured, the same numbers."""
     base = _model(family, "cuda")
     batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(12)]
     runs, counts, models = [], [], []
@@ -139,6 +140,9 @@ def test_cuda_backward_replays_equal_eager_steps_bitwise(autocast, family):
     assert counts[0] == counts[1]
     b = layer_checkpointing(models[0]).graphs.backward
     layers = len(models[0].base_model.model.model.layers)
+    if family == "qwen3_moe":
+        assert b.captures == b.replays == 0 and any("mixture-of-experts" in why for why in b.logged), b.logged
+        return
     assert b.captures == layers and b.replays == layers * (len(batches) - WARM_CALLS), (b.captures, b.replays,
                                                                                         b.logged)
 
