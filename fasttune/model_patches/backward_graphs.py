@@ -16,8 +16,8 @@ backward is captured once per layer and layout and replayed:
   it, so the pool holds the largest of one layer's forward or backward working set, and the main
   pool no longer holds the backward's.
 
-Left eager (logged once each): mixture-of-experts layers (their bitwise GPU test failed, cause not yet
-known), a layout seen fewer than ``WARM_CALLS`` times, dropout in training,
+Left eager (logged once each): mixture-of-experts layers (no experts' backward has been captured in a GPU
+test yet), a layout seen fewer than ``WARM_CALLS`` times, dropout in training,
 a layer that records tensors for transformers (router logits), parameters with gradient hooks (a
 replay does not run them), a backward that builds a graph of its own (``create_graph``), and a
 capture that fails.
@@ -76,8 +76,8 @@ class BackwardGraphs:
         if not ctx.device.type == "cuda" or torch.cuda.is_current_stream_capturing():
             return "not on CUDA"
         if self.moe:
-            # Their GPU test (tests/model_patches/test_backward_graphs.py) failed in session 29 on a cause
-            # the log did not keep: eager until it is found.
+            # Unverified: in session 29's GPU check (guard lifted) the tiny Qwen3-MoE matched eager bit for
+            # bit, but its MoE layer recorded router logits and stayed eager, so no experts' backward was captured.
             return "mixture-of-experts layers (not verified on the GPU)"
         if torch.is_grad_enabled():
             return "a backward that records a graph (create_graph=True)"

@@ -21,6 +21,7 @@ from fasttune.model_patches.checkpointing import layer_checkpointing
 from fasttune.model_patches.forward_graphs import WARM_CALLS
 from fasttune.model_patches.no_grad_forward import OP
 from fasttune.model_patches.report import FUSED
+from helpers.compare import assert_same_steps as _same_steps
 from helpers.tiny_models import make_batch, tiny_model
 
 ALL_7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -57,15 +58,6 @@ def _steps(model, batches, autocast: bool, micro: int = 1):
         out.append((torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
         opt.step()
     return out
-
-
-def _same_steps(a, b):
-    assert len(a) == len(b)
-    for i, ((la, ga), (lb, gb)) in enumerate(zip(a, b)):
-        assert torch.equal(la, lb), (i, la, lb)
-        assert ga.keys() == gb.keys() and ga
-        bad = [n for n in ga if not torch.equal(ga[n], gb[n])]
-        assert not bad, f"step {i}: gradients differ bitwise: {bad[:4]}"
 
 
 def test_backward_graphs_need_forward_graphs_and_the_no_grad_forward():

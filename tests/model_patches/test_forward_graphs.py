@@ -20,6 +20,7 @@ from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
 from fasttune.model_patches.forward_graphs import WARM_CALLS, layer_state
 from fasttune.model_patches.report import FUSED
+from helpers.compare import assert_same_steps as _same_steps
 from helpers.tiny_models import make_batch, tiny_model
 
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -57,15 +58,6 @@ def _steps(model, batches, autocast: bool):
         out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
         opt.step()
     return out
-
-
-def _same_steps(a, b):
-    assert len(a) == len(b)
-    for i, ((la, ga), (lb, gb)) in enumerate(zip(a, b)):
-        assert torch.equal(la, lb), (i, la, lb)
-        assert ga.keys() == gb.keys() and ga
-        bad = [n for n in ga if not torch.equal(ga[n], gb[n])]
-        assert not bad, f"step {i}: gradients differ bitwise: {bad[:4]}"
 
 
 def test_layer_state_reads_training_flags_and_peft_switches():

@@ -48,6 +48,16 @@ def assert_grads_close(model_a, model_b, rtol: float, floor: float = 0.0) -> Non
     assert not bad, f"{len(bad)} gradients differ beyond {rtol}: {dict(list(bad.items())[:5])}"
 
 
+def assert_same_steps(a: list, b: list) -> None:
+    """Two runs' steps, each (loss, {name: gradient}), equal bit for bit."""
+    assert len(a) == len(b)
+    for i, ((la, ga), (lb, gb)) in enumerate(zip(a, b)):
+        assert torch.equal(la, lb), (i, la, lb)
+        assert ga.keys() == gb.keys() and ga
+        bad = [n for n in ga if not torch.equal(ga[n], gb[n])]
+        assert not bad, f"step {i}: gradients differ bitwise: {bad[:4]}"
+
+
 def make_head_inputs(device, N: int, D: int, V: int, dtype=torch.float32, bias: bool = False,
                      ignore_frac: float = 0.2, seed: int = 0):
     """(hidden [N, D], weight [V, D], bias [V] or None, labels [N]) for the loss-head kernels;
