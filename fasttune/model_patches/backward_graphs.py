@@ -29,10 +29,9 @@ import logging
 from collections import Counter
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
-from .forward_graphs import WARM_CALLS, ForwardGraphs, layer_state
+from .forward_graphs import WARM_CALLS, ForwardGraphs, layer_state, layer_storages
 
 logger = logging.getLogger("fasttune")
 
@@ -72,7 +71,8 @@ class BackwardGraphs:
         self.logged: set[str] = set()
         self.captures = self.replays = 0
 
-    def why_eager(self, layer: nn.Module, params: list, ctx) -> str | None:
+    def why_eager(self, state: tuple | str, params: list, ctx) -> str | None:
+        """Why this call's backward runs eagerly, or None; ``state``: the layer's ``layer_state``."""
         if not ctx.device.type == "cuda" or torch.cuda.is_current_stream_capturing():
             return "not on CUDA"
         if self.moe:
@@ -85,32 +85,32 @@ class BackwardGraphs:
             return "the layer records tensors for transformers (router logits)"
         if any(_hooked(p) for p in params):
             return "parameters with gradient hooks (a replay would not run them)"
-        state = layer_state(layer)
         return state if isinstance(state, str) else None
 
     def run(self, ctx, hidden: torch.Tensor, grads: tuple, recompute):
         """The layer's input gradient from a replay of its backward graph, with its parameter gradients added
         to ``.grad``; or ``NotImplemented`` when this call runs eagerly (the caller's path).
 
-        ``recompute(h)`` runs the layer again with autograd on from ``h`` (the caller's recompute, without
+        ``recompute(h, grads)`` runs the layer again with autograd on from ``h`` (the caller's recompute, without
         restoring RNG states: no layer that draws random numbers gets here) and returns the (output,
         gradient) pairs to back-propagate."""
         run = ctx.run
         layer, counts = run.layer, run.counts
         params = [p for p in layer.parameters() if p.requires_grad]
-        why = self.why_eager(layer, params, ctx)
+        state = layer_state(layer)
+        why = self.why_eager(state, params, ctx)
         if why is not None:
             return self._eager(why)
         leaves, spec = pytree.tree_flatten((run.args, run.kwargs))
         grad_list = list(grads)
         tensors = [hidden, *(g for g in grad_list if g is not None),
                    *(t for t in leaves if isinstance(t, torch.Tensor))]
-        key = (id(layer), layer_state(layer), ctx.hidden_grad, tuple(g is None for g in grad_list),
+        key = (id(layer), state, ctx.hidden_grad, tuple(g is None for g in grad_list),
                tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors),
                tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)), tuple(map(id, params)),
                tuple(ctx.autocast), ctx.autocast_cache)
         entry = self.entries.get(key)
-        storages = tuple(t.data_ptr() for t in (*layer.parameters(), *layer.buffers()))
+        storages = layer_storages(layer)
         if isinstance(entry, _Entry) and entry.storages != storages:
             del self.entries[key]  # parameters moved since the capture: capture again
             self.seen[key], entry = WARM_CALLS, None

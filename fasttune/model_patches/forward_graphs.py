@@ -63,7 +63,8 @@ def layer_state(layer: nn.Module) -> tuple | str:
     return tuple(state)
 
 
-def _storages(layer: nn.Module) -> tuple:
+def layer_storages(layer: nn.Module) -> tuple:
+    """The data pointers of ``layer``'s parameters and buffers (a capture is stale once they move)."""
     return tuple(t.data_ptr() for t in (*layer.parameters(), *layer.buffers()))
 
 
@@ -105,7 +106,7 @@ class ForwardGraphs:
                tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)),
                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         entry = self.entries.get(key)
-        if isinstance(entry, _Entry) and entry.storages != _storages(layer):
+        if isinstance(entry, _Entry) and entry.storages != layer_storages(layer):
             del self.entries[key]  # parameters moved since the capture: capture again
             self.seen[key], entry = WARM_CALLS, None
         if entry is None:
@@ -195,7 +196,7 @@ class ForwardGraphs:
             self._log(failed)
             self.entries[key] = _EAGER
             return _EAGER
-        self.entries[key] = entry = _Entry(graph, inputs, output, captured, dict(fn.memo), _storages(layer))
+        self.entries[key] = entry = _Entry(graph, inputs, output, captured, dict(fn.memo), layer_storages(layer))
         self.captures += 1
         if self.captures == 1:
             logger.info("fasttune: checkpointed layers' forward replayed from CUDA graphs (one layer's forward "
@@ -203,4 +204,4 @@ class ForwardGraphs:
         return entry
 
 
-__all__ = ["ForwardGraphs", "WARM_CALLS", "layer_state"]
+__all__ = ["ForwardGraphs", "WARM_CALLS", "layer_state", "layer_storages"]
