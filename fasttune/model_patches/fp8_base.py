@@ -107,6 +107,18 @@ def _dense_weight(layer: nn.Module) -> torch.Tensor | str:
     return weight.detach()
 
 
+def _break_params4bit_cycle(layer: nn.Module) -> None:
+    """Let a replaced ``Linear4bit`` go the moment its last reference does.
+
+    bitsandbytes' ``Params4bit.module`` points back at its ``Linear4bit``: the pair is a reference
+    cycle, so the NF4 codes stayed on the GPU until the cyclic collector's next full pass, 3.35 GiB
+    through the first shape of an 8B QLoRA-sourced FP8 run (benchmarks/RESULTS.md, session 15).
+    The old layer keeps its weight; only the back-reference goes."""
+    weight = layer._parameters.get("weight")
+    if getattr(weight, "module", None) is layer:
+        weight.module = None
+
+
 def to_fp8(owner: nn.Module, attr: str, op: str, report: PatchReport, source: str | None) -> nn.Module | str:
     """Store ``owner.<attr>`` in FP8 (module docstring); returns the FP8 layer, or why it stays.
 
@@ -133,6 +145,7 @@ def to_fp8(owner: nn.Module, attr: str, op: str, report: PatchReport, source: st
         fp8.__dict__[FP8_SOURCE_ATTR] = source
         if fp8 is not layer:
             setattr(owner, attr, fp8)
+            _break_params4bit_cycle(layer)
     fwd = fp8.__dict__.get("forward")
     if not isinstance(fwd, Fp8LinearForward):
         fwd = Fp8LinearForward(fp8, op)

@@ -128,6 +128,36 @@ def test_nf4_bases_become_fp8(device, batch):
     assert rel_err(loss_fp8, loss_nf4) <= 1e-2
 
 
+def test_nf4_weights_are_freed_at_conversion_without_the_cyclic_collector(device, tmp_path):
+    """A QLoRA model as from_pretrained loads it: each Params4bit points back at its Linear4bit
+    (``.module``), a cycle that kept the NF4 codes alive after the conversion until a full gc pass."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import gc
+    import weakref
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama", seed=5, vocab_size=VOCAB, hidden_size=128, intermediate_size=256).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.float32,
+                                                 device_map=device)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=list(PROJS)))
+    weights = [m.weight for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(weights) == 7 * LAYERS and all(w.module is not None for w in weights)  # the cycle is there
+    refs = [weakref.ref(w) for w in weights]
+    del weights
+    gc.collect()
+    gc.disable()
+    try:
+        patch_model(model, FP8)
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert alive == 0
+    assert all(is_fp8_layer(lay) for lay in base_layers(model))
+
+
 def test_unpatch_keeps_fp8_and_repatch_adopts_it(device, batch):
     model = lora_model("llama", device, seed=6)
     patch_model(model, FP8)
