@@ -77,7 +77,9 @@ class BackwardGraphs:
             return "not on CUDA"
         if self.moe:
             # Unverified: in session 29's GPU check (guard lifted) the tiny Qwen3-MoE matched eager bit for
-            # bit, but its MoE layer recorded router logits and stayed eager, so no experts' backward was captured.
+            # bit, but its config asked for router logits (output_router_logits=True), so its MoE layer stayed
+            # eager and no experts' backward was captured. test_cuda_moe_backward_replays_with_the_guard_lifted
+            # is the check to run before this guard goes.
             return "mixture-of-experts layers (not verified on the GPU)"
         if torch.is_grad_enabled():
             return "a backward that records a graph (create_graph=True)"

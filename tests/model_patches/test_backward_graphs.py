@@ -27,10 +27,10 @@ from helpers.tiny_models import make_batch, tiny_model
 ALL_7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _model(family: str, device="cpu"):
+def _model(family: str, device="cpu", **overrides):
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model(family, seed=0)
+    model = tiny_model(family, seed=0, **overrides)
     targets = (dict(target_modules=ALL_7[:4], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
                if family == "qwen3_moe" else dict(target_modules=ALL_7))
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **targets))
@@ -135,6 +135,29 @@ def test_cuda_backward_replays_equal_eager_steps_bitwise(autocast, family):
     if family == "qwen3_moe":
         assert b.captures == b.replays == 0 and any("mixture-of-experts" in why for why in b.logged), b.logged
         return
+    assert b.captures == layers and b.replays == layers * (len(batches) - WARM_CALLS), (b.captures, b.replays,
+                                                                                        b.logged)
+
+
+@pytest.mark.gpu
+def test_cuda_moe_backward_replays_with_the_guard_lifted():
+    """What lifting the mixture-of-experts guard needs shown first: a Qwen3-MoE whose layers record no
+    router logits (``output_router_logits=False``; the tiny configs ask for them, and a recording layer stays
+    eager) captures every layer's backward, the experts' included, and matches eager bit for bit."""
+    base = _model("qwen3_moe", "cuda", output_router_logits=False)
+    batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(12)]
+    runs, models = [], []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        patch_model(model, FastConfig(checkpointing="offload", checkpoint_no_grad_forward=True,
+                                      checkpoint_forward_graphs=graphs, checkpoint_backward_graphs=graphs))
+        if graphs:
+            layer_checkpointing(model).graphs.backward.moe = False  # the guard under test
+        runs.append(_steps(model, batches[:6], True) + _steps(model, batches[6:], True, micro=2))
+        models.append(model)
+    _same_steps(*runs)
+    b = layer_checkpointing(models[0]).graphs.backward
+    layers = len(models[0].base_model.model.model.layers)
     assert b.captures == layers and b.replays == layers * (len(batches) - WARM_CALLS), (b.captures, b.replays,
                                                                                         b.logged)
 
