@@ -10,7 +10,8 @@ linear_cross_entropy, fasttune (default workspace: 1024 MiB with W trainable, el
 least 256 MiB; 256 MiB, 1 GiB and 4 GiB show the memory/speed trade: with W trainable, fewer chunks mean
 fewer read-modify-writes of the fp32 dW accumulator). A peer that does not import
 gets an "n/a" row. Shapes: Llama-3-8B, Qwen2.5-7B, Gemma-2-2B (soft-cap 30) heads, bf16, ~5% of labels
-ignored, W trainable and frozen.
+ignored, W trainable and frozen; ``--fp32-master`` adds W trainable in fp32 under bf16 hidden states
+(autocast over fp32 master weights; beyond_grads then counts against an fp32 dW).
 
 Measured per row:
 - ms: median fwd+bwd wall time over CUDA events after warm-up (these ops are far above launch cost);
@@ -205,6 +206,7 @@ def fp32_reference(h, W, y, softcap):
 def run(args):
     shapes = QUICK_SHAPES if args.quick else {k: SHAPES[k] for k in args.shapes}
     modes = ["trainable"] if args.quick else ["trainable", "frozen"]
+    modes += ["fp32-master"] if args.fp32_master else []
     impls = [i for i in IMPLS if i in args.impls and not (args.quick and i == "torch.compile")]
     t_start = time.perf_counter()
     compile_spent = 0.0
@@ -222,8 +224,9 @@ def run(args):
               f"reference done at {time.perf_counter() - t_start:.0f} s", flush=True)
         for mode in modes:
             h = h0.clone().requires_grad_()
-            W = W0.clone().requires_grad_(mode == "trainable")
-            floor = t_gemm * (3 if mode == "trainable" else 2)
+            trains = mode != "frozen"
+            W = (W0.float() if mode == "fp32-master" else W0.clone()).requires_grad_(trains)
+            floor = t_gemm * (3 if trains else 2)
             for name in impls:
                 row = dict(shape=shape, N=N, D=D, V=V, softcap=softcap, W=mode, impl=name)
                 rows.append(row)
@@ -238,13 +241,15 @@ def run(args):
                 if isinstance(fn, str):
                     row["status"] = fn
                     continue
+                if mode == "fp32-master" and not name.startswith("fasttune"):  # autocast's cast, in autograd
+                    fn = (lambda f: lambda h_, w_, y_: f(h_, w_.to(h_.dtype), y_))(fn)
                 try:
                     loss, dh, dw, peak, gbytes, secs = measure_once(fn, h, W, y)
                     if name == "torch.compile":
                         compile_spent += secs
                     row.update(
                         err_loss=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                        err_dh=rel(dh, ref_dh), err_dw=rel(dw, ref_dw) if mode == "trainable" else None,
+                        err_dh=rel(dh, ref_dh), err_dw=rel(dw, ref_dw) if trains else None,
                         peak_gib=peak / GIB, beyond_grads_gib=(peak - gbytes) / GIB,
                     )
                     del loss, dh, dw
@@ -299,6 +304,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="smoke run: one 4k-token Llama shape, W trainable")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    p.add_argument("--fp32-master", action="store_true",
+                   help="also W in fp32 with bf16 hidden (autocast over fp32 master weights): the peers get "
+                        "W.to(bf16) inside autograd, fasttune the fp32 W (its dW returned in fp32)")
     p.add_argument("--cell-seconds", type=float, default=1.0, help="timing budget per row (sets the repeats)")
     p.add_argument("--max-reps", type=int, default=10)
     p.add_argument("--compile-budget", type=float, default=75.0,

@@ -157,13 +157,28 @@ def check_head_inputs(hidden, weight, labels, bias, workspace_mib) -> None:
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     check_float("hidden", hidden)
     check_float("weight", weight)
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    if hidden.dtype != weight.dtype and not master_weight(hidden, weight):
+        raise TypeError(f"hidden and weight must share a dtype (or weight float32 with bf16/fp16 hidden), "
+                        f"got {hidden.dtype} and {weight.dtype}")
     if bias is not None and bias.dtype != weight.dtype:
         raise TypeError(f"bias must have weight's dtype {weight.dtype}, got {bias.dtype}")
     check_labels_dtype(labels)
     check_same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     check_workspace(workspace_mib)
+
+
+def master_weight(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True for an fp32 weight under bf16/fp16 hidden states: autocast over fp32 master weights. The
+    products read a half-precision copy of it (autocast's cast); its gradient stays fp32, unrounded."""
+    return weight.dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
+
+
+def rounded_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t``'s values rounded to ``dtype``, kept in t's dtype, with an identity gradient: what the
+    products of a master weight see, for the plain-PyTorch references (t + (r − t) is exactly r)."""
+    if t is None or t.dtype == dtype:
+        return t
+    return t + (t.detach().to(dtype).to(t.dtype) - t.detach())
 
 
 def check_labels_dtype(labels) -> None:
@@ -339,7 +354,12 @@ def head_chunks(hidden, weight, bias, rows, workspace_mib, run_pass, *, need_h=F
     s:e of the processed rows); when any gradient is needed it must leave dX in x.
     Returns (dh [N, D] in hidden's dtype with post applied and zero on unprocessed rows,
     dw32 [V, D] fp32, db32 [V] fp32) — None where not needed; dw32/db32 still carry ``post``.
+    A master weight (``master_weight``) and its bias enter the products as hidden's dtype, copied here:
+    the copy lives for this call only, and dw32 is then the fp32 gradient itself (``finish_grad``).
     """
+    if weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+        bias = None if bias is None else bias.to(hidden.dtype)
     N, D = hidden.shape
     V = weight.shape[0]
     n = N if rows is None else rows.numel()

@@ -38,7 +38,10 @@ backward (``first_order_only``). One host sync per call returns the count of non
 raises a ValueError on the host. N = 0 and all-ignored batches give a zero loss and zero gradients.
 
 Memory above the inputs (trainable W): workspace + dW fp32 accumulator [V, D] (2× the gradient of
-a bf16 W) + dH; frozen W: workspace + dH. dtypes: fp32, bf16, fp16 (matmuls in the input dtype with
+a bf16 W) + dH; frozen W: workspace + dH. An fp32 W under bf16/fp16 hidden (autocast over fp32 master
+weights) is copied to the hidden's dtype for the products while the chunks run (as autocast's cast
+does), and the accumulator is its gradient: no second dW-sized buffer, and dW is not rounded to 16
+bits (stock autocast rounds it to bf16, then upcasts it). dtypes: fp32, bf16, fp16 (matmuls in the input dtype with
 fp32 accumulation, the pass in fp32, dW accumulated in fp32 then cast; fp16 dX is pre-scaled, see
 ``_lce_common``). Loss is float32. Plain ``cross_entropy`` reads given logits (never writes them)
 and writes dX into a new tensor in backward, from the lse saved in forward.
@@ -56,9 +59,10 @@ from . import reference
 from ._backend import check_float, check_same_device, use_triton
 from ._lce_common import (GradScaling, _logit_slope, _logits, _online_softmax, block_config,
                           check_head_inputs, check_labels_dtype, check_transform, finish_grad,
-                          first_order_only, head_chunks, label_summary, transform_args)
+                          first_order_only, head_chunks, label_summary, master_weight, rounded_to,
+                          transform_args)
 
-__all__ = ["fused_linear_cross_entropy", "cross_entropy"]
+__all__ = ["fused_linear_cross_entropy", "cross_entropy", "master_weight"]
 
 
 @triton.jit
@@ -336,7 +340,9 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, *, ignore_inde
 
     Args:
         hidden: [N, D] fp32/bf16/fp16 (the last hidden states, already flattened).
-        weight: [V, D], hidden's dtype (the lm_head weight). Frozen (requires_grad=False): no dW work.
+        weight: [V, D] (the lm_head weight), hidden's dtype, or float32 with bf16/fp16 hidden (fp32 master
+            weights under autocast: the products read its half-precision values, its gradient stays fp32,
+            unrounded). Frozen (requires_grad=False): no dW work.
         labels: [N] integers, already shifted; ``ignore_index`` rows contribute nothing.
         bias: optional [V], weight's dtype.
         ignore_index: label value to skip.
@@ -363,6 +369,7 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, *, ignore_inde
     count = label_summary(labels, V, ignore_index, label_stats)
     num = _num_items(num_items_in_batch, hidden.device)
     if not use_triton(hidden, weight, labels, bias):
+        weight, bias = rounded_to(weight, hidden.dtype), rounded_to(bias, hidden.dtype)  # a master weight
         return reference.fused_linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
             num_items_in_batch=None if num is None else num.reshape(()), label_smoothing=label_smoothing,

@@ -34,7 +34,7 @@ from . import reference
 from ._backend import use_triton
 from ._lce_common import (GradScaling, _is_real, _logit_slope, _logits, _online_softmax, block_config,
                           check_head_inputs, check_transform, finish_grad, first_order_only, head_chunks,
-                          label_summary, transform_args)
+                          label_summary, rounded_to, transform_args)
 
 __all__ = ["fused_linear_logprobs"]
 
@@ -163,7 +163,9 @@ def fused_linear_logprobs(hidden, weight, labels, bias=None, *, temperature=1.0,
 
     Args:
         hidden: [N, D] fp32/bf16/fp16.
-        weight: [V, D], hidden's dtype; frozen (requires_grad=False) means no dW work.
+        weight: [V, D], hidden's dtype, or float32 with bf16/fp16 hidden (fp32 master weights under
+            autocast: the products read its half-precision values, its gradient stays fp32, unrounded);
+            frozen (requires_grad=False) means no dW work.
         labels: [N] integers < V; labels < 0 are read as index 0 (mask those rows yourself).
         bias: optional [V], weight's dtype.
         temperature: T > 0 dividing the (soft-capped) logits.
@@ -183,6 +185,7 @@ def fused_linear_logprobs(hidden, weight, labels, bias=None, *, temperature=1.0,
     V = weight.shape[0]
     label_summary(labels, V, None)
     if not use_triton(hidden, weight, labels, bias):
+        weight, bias = rounded_to(weight, hidden.dtype), rounded_to(bias, hidden.dtype)  # a master weight
         mib = 1024 if workspace_mib is None else workspace_mib
         return reference.fused_linear_logprobs(
             hidden, weight, labels, bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale,

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import FastConfig
-from ..kernels.cross_entropy import fused_linear_cross_entropy
+from ..kernels.cross_entropy import fused_linear_cross_entropy, master_weight
 from ..kernels.label_summary import LabelSummary
 from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
@@ -146,10 +146,14 @@ class FusedLossCausalLMForward(PatchedForward):
             h = h.to(weight.device)
         if fp32:
             h, weight = h.float(), weight.float()
-        # Match the stock lm_head under autocast: its matmul runs in the autocast dtype.
+        # Match the stock lm_head under autocast: its matmul runs in the autocast dtype. An fp32 (master)
+        # weight goes in as it is: the kernels read its 16-bit copy for the products and return its
+        # gradient in fp32 (the accumulator itself: no bf16 dW, no upcast of it by autograd).
         elif torch.is_autocast_enabled(h.device.type):
             dt = torch.get_autocast_dtype(h.device.type)
-            h, weight = h.to(dt), weight.to(dt)
+            h = h.to(dt)
+            if not master_weight(h, weight):
+                weight = weight.to(dt)
         elif h.dtype != weight.dtype:
             h = h.to(weight.dtype)
         return h, weight

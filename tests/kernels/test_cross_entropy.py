@@ -276,6 +276,43 @@ def test_reference_path_dispatch(device, monkeypatch):
     check_in_norm(plain, want_plain, what="plain reference path")
 
 
+@pytest.mark.parametrize("path", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kw", [dict(bias=True, softcap=3.0, workspace_mib=0.004),
+                                dict(reduction="none", bias=True, return_stats=True)], ids=["mean", "none(recompute)"])
+def test_fp32_master_weight_under_half_hidden(device, monkeypatch, path, dtype, kw):
+    """Autocast over fp32 master weights: an fp32 W (and bias) with bf16/fp16 hidden. The products read W's
+    16-bit values, so loss, stats and dH equal those of the same call on W.to(dtype) bit for bit; dW comes back
+    in fp32, the accumulator unrounded (on the Triton path, rounded to dtype it is that call's dW), closer to
+    float64 than the stock autocast recipe's (dW rounded to dtype, then upcast)."""
+    if path == "reference":
+        monkeypatch.setattr(ce_mod, "use_triton", lambda *t: False)
+    kw = dict(kw)
+    h, W, b, y = make_inputs(device, 45, 64, 331, torch.float32, kw.pop("bias"), 0.2, seed=3)
+    h = h.to(dtype)
+    up = upstream_for(kw, 45, device)
+    loss, stats, (gh, gw, gb) = run(fused_linear_cross_entropy, h, W, b, y, up, **kw)
+    same = run(fused_linear_cross_entropy, h, W.to(dtype), b.to(dtype), y, up, **kw)
+    assert gh.dtype == dtype and gw.dtype == torch.float32 and gb.dtype == torch.float32
+    assert torch.equal(loss, same[0]) and torch.equal(gh, same[2][0])
+    if stats is not None:
+        assert all(torch.equal(stats[k], same[1][k]) for k in stats)
+    if path == "triton":  # one accumulator either way (the reference's 16-bit W gradient rounds per chunk)
+        assert torch.equal(gw.to(dtype), same[2][1]) and torch.equal(gb.to(dtype), same[2][2])
+    assert not torch.equal(gw, gw.to(dtype).float())  # fp32 values: the accumulator, not a rounded copy
+
+    def stock(hl, wl, yl, bl, workspace_mib=None, **k):  # autocast's cast inside autograd, as HF runs it
+        return loss_from_logits(torch.nn.functional.linear(hl, wl.to(dtype), bl.to(dtype)), yl, **k)
+
+    d64 = lambda t: t.to(dtype).double()  # noqa: E731 - float64 math on the values the products read
+    _, _, want = run(ref_fn, h.double(), d64(W), d64(b), y, up.double(), **kw)
+    _, _, torch_grads = run(stock, h, W, b, y, up, **kw)
+    for name, got, ref, tg in zip(("dW", "db"), (gw, gb), want[1:], torch_grads[1:]):
+        check_in_norm(got, ref, tg, what=name, lowp=dtype)
+        if path == "reference" or device == "cuda":  # the interpreter truncates dX's 16-bit stores (FACTS)
+            assert (got.double() - ref).norm() <= (tg.double() - ref).norm(), name  # no final rounding to dtype
+
+
 # ------------------------------------------------------------------------------------------------
 # plain cross_entropy on logits
 # ------------------------------------------------------------------------------------------------
@@ -398,3 +435,24 @@ def test_gpu_workspace_past_int32_offsets():
     small = run(fused_linear_cross_entropy, h, W, None, y, torch.tensor(1.0, device="cuda"), workspace_mib=256)
     for a, b in zip([big[0]] + big[2][:2], [small[0]] + small[2][:2]):
         check_in_norm(a, b, what="one chunk vs several", rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_master_weight_backward_allocates_no_weight_gradient_copy():
+    """Llama-3 head, fp32 W with bf16 hidden: the dW the forward accumulated is handed over as the gradient,
+    so the backward allocates nothing W-sized (stock autocast's bf16 dW and its fp32 upcast: 3 GiB); rounded
+    to bf16 it is the bf16-W call's dW bit for bit."""
+    N, D, V = 4096, 4096, 128256
+    h, W, _, y = make_inputs("cuda", N, D, V, torch.float32, ignore_frac=0.05, seed=7)
+    h = h.bfloat16().requires_grad_()
+    W = W.requires_grad_()
+    loss = fused_linear_cross_entropy(h, W, y)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert W.grad.dtype == torch.float32
+    assert torch.cuda.max_memory_allocated() - before < 64 * 2 ** 20  # nothing dW-sized (2 GiB fp32) is made
+    _, _, same = run(fused_linear_cross_entropy, h, W.detach().bfloat16(), None, y, torch.tensor(1.0, device="cuda"))
+    assert torch.equal(W.grad.bfloat16(), same[1])

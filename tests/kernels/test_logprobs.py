@@ -147,6 +147,30 @@ def test_reference_path_dispatch(device, monkeypatch):
         check_in_norm(a, e, what="reference path")
 
 
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_fp32_master_weight_under_bf16_hidden(device, monkeypatch, path):
+    """An fp32 W and bias with bf16 hidden (autocast over fp32 master weights): the products read W's bf16
+    values, so log-probs, entropy and dH equal the same call on W.to(bf16) bit for bit; dW and db come back in
+    fp32, unrounded (on the Triton path, rounded to bf16 they are that call's)."""
+    if path == "reference":
+        monkeypatch.setattr(lp_mod, "use_triton", lambda *t: False)
+    h, W, b, y = make_inputs(device, 29, 64, 257, torch.float32, True, 0.0, seed=4)
+    h = h.to(torch.bfloat16)
+    kw = dict(temperature=0.7, softcap=3.0, return_entropy=True, workspace_mib=0.004)
+    ups = [torch.rand(29, device=device) + 0.5, torch.rand(29, device=device) - 0.5]
+    outs, (gh, gw, gb) = run(fused_linear_logprobs, h, W, b, y, ups, **kw)
+    s_outs, s_grads = run(fused_linear_logprobs, h, W.bfloat16(), b.bfloat16(), y, ups, **kw)
+    assert gw.dtype == gb.dtype == torch.float32 and gh.dtype == torch.bfloat16
+    assert all(torch.equal(a, e) for a, e in zip(outs, s_outs)) and torch.equal(gh, s_grads[0])
+    if path == "triton":
+        assert torch.equal(gw.bfloat16(), s_grads[1]) and torch.equal(gb.bfloat16(), s_grads[2])
+    assert not torch.equal(gw, gw.bfloat16().float())
+    _, want = run(ref_fn, h.double(), W.bfloat16().double(), b.bfloat16().double(), y, [u.double() for u in ups],
+                  **kw)
+    for name, got, ref in (("dW", gw, want[1]), ("db", gb, want[2])):
+        check_in_norm(got, ref, what=name, rtol=2e-2)
+
+
 BAD = {
     "temperature-zero": (dict(temperature=0.0), ValueError, "temperature"),
     "temperature-negative": (dict(temperature=-1.0), ValueError, "temperature"),

@@ -149,6 +149,36 @@ def test_autocast_bf16_matches_stock_within_bf16_noise():
     assert abs(float(a) - float(ref)) <= 2 * abs(float(b) - float(ref)) + 2e-2
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_autocast_over_fp32_master_weights_keeps_the_head_gradient_fp32(tied, monkeypatch):
+    """Full fine-tuning with fp32 parameters under bf16 autocast (the Trainer's bf16=True over an fp32 model):
+    the fused head runs (counted) on the lm_head's bf16 values, as stock's autocast cast does, and returns its
+    gradient in fp32 straight from the accumulator (no bf16 dW, not cast by autograd): values a bf16 gradient
+    cannot hold, as close to the fp32 run's as stock autocast's (bf16-rounded) gradient is."""
+    from fasttune.kernels import _lce_common
+
+    stock = tiny_model("llama", tie_word_embeddings=tied)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, HEAD_ONLY)
+    casts = []
+    real_head_chunks = _lce_common.head_chunks
+    monkeypatch.setattr(_lce_common, "head_chunks", lambda h, w, *a, **k: (
+        casts.append(w.dtype), real_head_chunks(h, w, *a, **k))[1])
+    monkeypatch.setattr("fasttune.kernels.cross_entropy.head_chunks", _lce_common.head_chunks)
+    batch = make_batch(stock.config.vocab_size, seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = _loss_and_backward(fast, batch).loss
+        b = _loss_and_backward(stock, batch).loss
+    assert report.calls[("cross_entropy", "fused")] >= 1 and casts == [torch.float32]  # the master weight went in
+    ref = copy.deepcopy(stock)
+    _loss_and_backward(ref, batch)  # fp32
+    g_fast, g_stock, g_ref = (m.lm_head.weight.grad for m in (fast, stock, ref))
+    assert g_fast.dtype == torch.float32 and not torch.equal(g_fast, g_fast.bfloat16().float())
+    assert abs(float(a) - float(b)) <= 1e-2 * abs(float(b))
+    err = lambda g: float((g.double() - g_ref.double()).norm() / g_ref.double().norm())  # noqa: E731
+    assert err(g_fast) <= 2 * err(g_stock) + 1e-3, (err(g_fast), err(g_stock))
+
+
 # -- where fasttune differs from stock on purpose ---------------------------------------------------
 def test_all_ignored_batch_gives_zero_loss_and_warns_once(caplog):
     """Stock's mean over zero labels is NaN; the fused head gives 0.0 with zero gradients, and says
