@@ -21,6 +21,8 @@
 #             the step's peak allocated and peak reserved memory: with the patch's expandable segments, then
 #             with fixed segments (does the reserve, not the allocation, decide what fits?)  RESERVE_S=110 each
 #   gemm      bench_gemm.py: one 8B layer's matrix products, and regroupings     GEMM_S=60
+#   loss      bench_loss.py: the loss heads side by side (torch eager/compile, Liger, CCE, fasttune), W trainable,
+#             frozen and an fp32 master W under bf16 hidden (--fp32-master)       LOSS_S=240
 #   moe       bench_moe_step.py: 8 Qwen3-30B-A3B layers, MOE_STACKS (fasttune,unsloth) with the forward's CUDA
 #             graphs, MOE_ROUNDS (3) alternating rounds in fresh processes (reserves move between processes) MOE_S=560
 #   vlm       bench_vlm.py: Qwen2.5-VL-7B shape with images, hf / fasttune / unsloth (VLM_ARGS) VLM_S=560
@@ -72,6 +74,8 @@ job() {  # job NAME GPU
                 --budget-s $(( ${FP8Q_S:-570} - 40 )) \
                 --variants "${FP8Q_VARIANTS:-fp8,fp8-fwd,fp8-bwd,fp8-w}" --out "$out/fp8_quality.json" ;;
         gemm) env $env timeout "${GEMM_S:-60}" python3 benchmarks/bench_gemm.py --out "$out/gemm.json" ;;
+        loss) env $env timeout "${LOSS_S:-240}" python3 benchmarks/bench_loss.py --fp32-master --compile-budget 35 \
+                --time-budget $(( ${LOSS_S:-240} - 90 )) --cell-seconds 0.5 --max-reps 5 --out "$out/loss.json" ;;
         moe) env $env timeout "${MOE_S:-560}" python3 benchmarks/bench_moe_step.py --budget-s $(( ${MOE_S:-560} - 20 )) \
                 --layers 8 --steps 8 --warmup 3 --stacks "${MOE_STACKS:-fasttune,unsloth}" --forward-graphs \
                 --rounds "${MOE_ROUNDS:-3}" --out "$out/moe.json" ${MOE_ARGS:-} ;;
