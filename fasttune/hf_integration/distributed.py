@@ -246,8 +246,10 @@ def _unsharded_bytes(unit) -> int:
     """Bytes of the unit's gathered parameters: global sizes, in the mixed-precision ``param_dtype``."""
     out = 0
     for g in _param_groups(unit):
-        dtype = getattr(g.mp_policy, "param_dtype", None)
+        group_policy = getattr(g, "mp_policy", None)  # torch <= 2.14: one policy per group
         for fp in g.fsdp_params:
+            # torch >= 2.15: the policy is resolved per parameter (FSDPParam.mp_policy)
+            dtype = getattr(getattr(fp, "mp_policy", group_policy), "param_dtype", None)
             p = fp.sharded_param
             out += p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
     return out

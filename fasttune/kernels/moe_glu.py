@@ -18,6 +18,9 @@ Backward, given dh = ∂L/∂h [S, I] (the gradient of the *weighted* h):
     silu & co:       dg = dh·w·u·a'(g),  du = dh·w·a(g)
     clamped_swiglu:  dg = dh·w·(û + 1)·(σ + α·ĝ·σ·(1 − σ)) where g ≤ L (0 elsewhere),
                      du = dh·w·ĝ·σ where −L ≤ u ≤ L (0 elsewhere)   (torch.clamp's gradient mask)
+                     On exactly g = L or u = ±L the mask follows the installed torch's scalar
+                     clamp (as stock gpt-oss does): inclusive (gradient 1) up to torch 2.14,
+                     strict (gradient 0, the minimum-norm subgradient) from 2.15 on.
 
 The backward also returns h (recomputed, weighted) on request, which the down projection's weight
 gradient needs, so neither h nor v is kept between forward and backward (a caller that wants h's
@@ -31,6 +34,8 @@ one rounding at the store; dw is fp32. Dtypes float32, float16, bfloat16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +48,15 @@ from .swiglu import _act_and_grad
 __all__ = ["moe_glu", "moe_glu_backward"]
 
 _BLOCK = 1024
+
+
+@functools.cache
+def _strict_clamp_grad() -> bool:
+    """Whether torch's scalar clamp gives gradient 0 exactly on its bound (torch >= 2.15, pytorch
+    issue #184572) rather than 1 (earlier): probed once so the kernel matches stock gpt-oss."""
+    with torch.enable_grad():  # first called from inside a backward, where grad mode is off
+        x = torch.ones((), requires_grad=True)
+        return torch.autograd.grad(x.clamp(max=1.0), x)[0].item() == 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,17 +82,23 @@ def _glu_cols(
 
 
 @triton.jit
-def _glu_value_and_grads(g, u, alpha, limit, KIND: tl.constexpr):
+def _glu_value_and_grads(g, u, alpha, limit, KIND: tl.constexpr, STRICT: tl.constexpr):
     """(v = a(g)·u, ∂v/∂g, ∂v/∂u) in fp32; KIND 0 silu, 1 gelu tanh, 2 gelu erf, 3 clamped swiglu."""
     if KIND == 3:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         sig = tl.sigmoid(alpha * gc)
         a = gc * sig
-        da = tl.where(g <= limit, sig + alpha * gc * sig * (1.0 - sig), 0.0)
+        if STRICT:  # torch >= 2.15: 0 on the bound
+            g_in = g < limit
+            u_in = (u > -limit) & (u < limit)
+        else:
+            g_in = g <= limit
+            u_in = (u >= -limit) & (u <= limit)
+        da = tl.where(g_in, sig + alpha * gc * sig * (1.0 - sig), 0.0)
         v = (uc + 1.0) * a
         dvg = (uc + 1.0) * da
-        dvu = tl.where((u >= -limit) & (u <= limit), a, 0.0)
+        dvu = tl.where(u_in, a, 0.0)
     else:
         a, da = _act_and_grad(g, KIND)
         v = a * u
@@ -107,7 +127,7 @@ def _moe_glu_fwd_kernel(
         cols = c0 + tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         g, u = _glu_cols(gu_ptr, rows, cols, mask, n_cols, stride_gu, INTERLEAVED)
-        v, _, _ = _glu_value_and_grads(g, u, alpha, limit, KIND)
+        v, _, _ = _glu_value_and_grads(g, u, alpha, limit, KIND, False)
         tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], (w[:, None] * v).to(h_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -123,7 +143,7 @@ def _moe_glu_bwd_kernel(
     n_rows, n_cols, alpha, limit,
     stride_gu, stride_dh, stride_dgu, stride_h,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_W: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_W: tl.constexpr, WRITE_H: tl.constexpr, STRICT: tl.constexpr,
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < n_rows
@@ -137,7 +157,7 @@ def _moe_glu_bwd_kernel(
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         g, u = _glu_cols(gu_ptr, rows, cols, mask, n_cols, stride_gu, INTERLEAVED)
         dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        v, dvg, dvu = _glu_value_and_grads(g, u, alpha, limit, KIND)
+        v, dvg, dvu = _glu_value_and_grads(g, u, alpha, limit, KIND, STRICT)
         dw += tl.sum(dh * v, axis=1)
         if WRITE_H:
             tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], (w[:, None] * v).to(h_ptr.dtype.element_ty),
@@ -255,7 +275,7 @@ def moe_glu_backward(gate_up: torch.Tensor, dh: torch.Tensor, weights: torch.Ten
             S, n_cols, float(glu.alpha), float(glu.limit),
             gate_up.stride(0), dh.stride(0), dgu.stride(0), h.stride(0) if with_h else 0,
             ROWS=rows, BLOCK=block, KIND=_kind(glu), INTERLEAVED=glu.kind == "clamped_swiglu",
-            HAS_W=weights is not None, WRITE_H=with_h,
+            HAS_W=weights is not None, WRITE_H=with_h, STRICT=_strict_clamp_grad(),
         )
     elif dw is not None:
         dw.zero_()
