@@ -2,7 +2,9 @@
 # Test-only tools that pip's pinned set does not cover:
 #  - llama-cpp-python, built from source with portable flags (the -march=native build segfaults on
 #    quantised models on these CPUs, docs/FACTS.md, GGUF and llama.cpp); ~5 min once, then cached in .venv;
-#  - Debian's chromium for the Space's browser tests (Playwright cannot download browsers here).
+#  - Debian's chromium for the Space's browser tests (Playwright cannot download browsers here);
+#  - the `kernels` package (transformers' Hub kernels, use_kernels) in .venv/kernels-site, not in the venv:
+#    there bitsandbytes and transformers would reach for the Hub at import; one test puts it on a subprocess's path.
 # Usage: setup_test_tools.sh            install both (the llama wheel from build/wheels when prefetched)
 #        setup_test_tools.sh --prefetch  build the llama wheel into build/wheels and install chromium; needs
 #                                        no .venv, so scripts/test.sh runs it while pip fills .venv (the build
@@ -43,3 +45,8 @@ if ! has_llama; then
     --find-links "$WHEELS" "$LLAMA"
 fi
 install_chromium
+if [ ! -d .venv/kernels-site/kernels ]; then
+  echo "installing kernels into .venv/kernels-site..."
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -c constraints.txt \
+    --target .venv/kernels-site kernels tomlkit
+fi

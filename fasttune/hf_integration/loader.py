@@ -145,7 +145,9 @@ def load_model(name_or_path: str | os.PathLike, *, max_seq_length: int | None = 
         what = "processor (image processor + tokenizer)" if vision else "tokenizer"
         raise ModelLoadError(f"no usable {what} in {name!r}: {_first_line(err)}", "no_tokenizer", name) from None
 
-    kwargs = dict(dtype=dtype, **hub)
+    # transformers >= 5.25 kernelizes from Hub kernels by default (downloads on CUDA); the patch turns that off
+    # again (model_patches/hub_kernels.py), so the load skips it. A use_kernels in model_kwargs still wins.
+    kwargs = dict(dtype=dtype, use_kernels=False, **hub)
     if not _zero3_enabled():  # ZeRO-3 partitions at load time; transformers refuses a device_map there
         kwargs["device_map"] = {"": device}
     if load_in_4bit:

@@ -18,6 +18,7 @@ from .attention import patch_attention
 from .checkpointing import install_checkpointing
 from .families import FAMILIES, family_for, resolve_classes
 from .head import patch_head
+from .hub_kernels import suspend_hub_kernels
 from .instance import find_causal_lm
 from .lora import patch_lora
 from .lora_fp8 import patch_fp8_bases
@@ -32,9 +33,10 @@ logger = logging.getLogger("fasttune")
 
 STATE_ATTR = "_fasttune_report"
 
-# The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``.
-PATCHERS = (patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora, patch_fp8_bases,
-            patch_residuals, install_checkpointing, patch_vision_tower, use_expandable_segments)
+# The patchers in the order they run; each is ``patcher(base, spec, classes, config, report)``. Hub kernels
+# first: turning them off restores class forwards, which must not pop a patch already installed.
+PATCHERS = (suspend_hub_kernels, patch_head, patch_norms, patch_attention, patch_mlp, patch_moe, patch_lora,
+            patch_fp8_bases, patch_residuals, install_checkpointing, patch_vision_tower, use_expandable_segments)
 
 
 def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchReport:
