@@ -41,9 +41,9 @@ Memory above the inputs (trainable W): workspace + dW fp32 accumulator [V, D] (2
 a bf16 W) + dH; frozen W: workspace + dH. An fp32 W under bf16/fp16 hidden (autocast over fp32 master
 weights) is copied to the hidden's dtype for the products while the chunks run (as autocast's cast
 does), and the accumulator is its gradient: no second dW-sized buffer, and dW is not rounded to 16
-bits (stock autocast rounds it to bf16, then upcasts it). dtypes: fp32, bf16, fp16 (matmuls in the input dtype with
-fp32 accumulation, the pass in fp32, dW accumulated in fp32 then cast; fp16 dX is pre-scaled, see
-``_lce_common``). Loss is float32. Plain ``cross_entropy`` reads given logits (never writes them)
+bits (stock autocast rounds it to bf16, then upcasts it). dtypes: fp32, bf16, fp16 (matmuls in the
+input dtype with fp32 accumulation, the pass in fp32, dW accumulated in fp32 then cast; fp16 dX is
+pre-scaled, see ``_lce_common``). Loss is float32. Plain ``cross_entropy`` reads given logits (never writes them)
 and writes dX into a new tensor in backward, from the lse saved in forward.
 """
 
