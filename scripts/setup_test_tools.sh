@@ -48,5 +48,5 @@ install_chromium
 if [ ! -d .venv/kernels-site/kernels ]; then
   echo "installing kernels into .venv/kernels-site..."
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -c constraints.txt \
-    --target .venv/kernels-site kernels tomlkit
+    --target .venv/kernels-site kernels
 fi
