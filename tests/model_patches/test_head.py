@@ -155,16 +155,14 @@ def test_autocast_over_fp32_master_weights_keeps_the_head_gradient_fp32(tied, mo
     the fused head runs (counted) on the lm_head's bf16 values, as stock's autocast cast does, and returns its
     gradient in fp32 straight from the accumulator (no bf16 dW, not cast by autograd): values a bf16 gradient
     cannot hold, as close to the fp32 run's as stock autocast's (bf16-rounded) gradient is."""
-    from fasttune.kernels import _lce_common
+    from fasttune.kernels._lce_common import head_chunks
 
     stock = tiny_model("llama", tie_word_embeddings=tied)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, HEAD_ONLY)
-    casts = []
-    real_head_chunks = _lce_common.head_chunks
-    monkeypatch.setattr(_lce_common, "head_chunks", lambda h, w, *a, **k: (
-        casts.append(w.dtype), real_head_chunks(h, w, *a, **k))[1])
-    monkeypatch.setattr("fasttune.kernels.cross_entropy.head_chunks", _lce_common.head_chunks)
+    casts = []  # the weight dtype each call of the loss kernel's chunk driver received
+    monkeypatch.setattr("fasttune.kernels.cross_entropy.head_chunks", lambda h, w, *a, **k: (
+        casts.append(w.dtype), head_chunks(h, w, *a, **k))[1])
     batch = make_batch(stock.config.vocab_size, seed=6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a = _loss_and_backward(fast, batch).loss
