@@ -20,12 +20,11 @@ _LOCK = threading.RLock()
 
 
 def _tighter(current, connect: float, stall: float):
-    import httpx2
-
+    # The client's own Timeout class: httpx2 under huggingface_hub 2.x, httpx under 1.x.
     def pick(value, ours):
         return ours if value is None else min(value, ours)
 
-    return httpx2.Timeout(connect=pick(current.connect, connect), read=pick(current.read, stall),
+    return type(current)(connect=pick(current.connect, connect), read=pick(current.read, stall),
                           write=pick(current.write, stall), pool=pick(current.pool, stall))
 
 

@@ -1,12 +1,15 @@
 """Deadlines on huggingface_hub's requests: a silent server costs one stall timeout, not forever."""
 
+import importlib
 import time
 
-import httpx2
 import pytest
 
 from fasttune.export.hub_http import current_factory, hub_timeouts
 from helpers.black_hole import BlackHole
+
+# The HTTP library huggingface_hub's clients come from: httpx2 on huggingface_hub 2.x, httpx on 1.x.
+httpx = importlib.import_module(type(current_factory()()).__module__.split(".")[0])
 
 
 def test_clients_get_the_deadlines_and_the_old_factory_returns():
@@ -28,7 +31,7 @@ def test_a_tighter_user_timeout_is_kept():
     from huggingface_hub.utils import get_session
 
     before = current_factory()
-    set_client_factory(lambda: httpx2.Client(timeout=httpx2.Timeout(0.5)))
+    set_client_factory(lambda: httpx.Client(timeout=httpx.Timeout(0.5)))
     try:
         with hub_timeouts(connect=10.0, stall=15.0):
             assert get_session().timeout.read == 0.5
@@ -43,7 +46,7 @@ def test_a_server_that_never_answers_times_out(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the test process runs offline
     with BlackHole() as hole, hub_timeouts(connect=1.0, stall=0.5):
         start = time.monotonic()
-        with pytest.raises(httpx2.ReadTimeout):
+        with pytest.raises(httpx.ReadTimeout):
             get_session().get(hole.url + "/api/whoami-v2")
         assert time.monotonic() - start < 3.0 and hole.accepted == 1
 
