@@ -141,9 +141,9 @@ class FastConfig:
                 "and back-propagation) is captured once as a CUDA graph too, in the same memory pool, and "
                 "replayed; the layer's parameter gradients are added to .grad after each replay (as autograd "
                 "would: same numbers). The backward's working set then lives in that pool, which the forward's "
-                "replays reuse. Layers whose parameters carry gradient hooks, that record router logits or run "
-                "dropout in training stay eager (logged), and so do mixture-of-experts layers for now (not "
-                "verified on the GPU). An 8B dense step on an H200 whose host kept up ran no faster "
+                "replays reuse. Mixture-of-experts layers are captured too. Layers whose parameters carry "
+                "gradient hooks, that record router logits (output_router_logits=True) or run dropout in "
+                "training stay eager (logged). An 8B dense step on an H200 whose host kept up ran no faster "
                 "(benchmarks/RESULTS.md): for hosts that cannot launch a step as fast as the GPU runs it."})
     cuda_expandable_segments: bool = field(default=True, metadata={
         "help": "Switch torch's CUDA caching allocator to expandable segments when a model is patched on a "

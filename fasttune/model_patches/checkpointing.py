@@ -279,7 +279,7 @@ class LayerCheckpointing:
         ngf = config.checkpoint_no_grad_forward  # None: on for MoE (host-bound), under forward graphs (replayed)
         self.no_grad_forward = (moe or config.checkpoint_forward_graphs) if ngf is None else ngf
         self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
-        self.graphs = no_grad_forward.forward_graphs(config, moe)  # those forwards from CUDA graphs, or None
+        self.graphs = no_grad_forward.forward_graphs(config)  # those forwards from CUDA graphs, or None
         self._hf_flags, self._warned = [], False
 
     @property

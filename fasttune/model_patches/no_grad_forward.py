@@ -178,14 +178,14 @@ def _recompute(ctx, h: torch.Tensor, grads: tuple, replayable: bool = False) -> 
     return [(t, g) for t, g in zip(outs, grads) if isinstance(t, torch.Tensor) and g is not None and t.requires_grad]
 
 
-def forward_graphs(config, moe: bool = False) -> ForwardGraphs | None:
+def forward_graphs(config) -> ForwardGraphs | None:
     """A model's CUDA graphs of these forwards (``FastConfig.checkpoint_forward_graphs``), with those of their
-    backward (``checkpoint_backward_graphs``) as its ``backward``; or None. ``moe``: a mixture-of-experts model."""
+    backward (``checkpoint_backward_graphs``) as its ``backward``; or None."""
     if not config.checkpoint_forward_graphs:
         return None
     graphs = ForwardGraphs()
     if config.checkpoint_backward_graphs:
-        graphs.backward = BackwardGraphs(graphs, moe)
+        graphs.backward = BackwardGraphs(graphs)
     return graphs
 
 
