@@ -12,7 +12,9 @@ after fasttune has patched, so the norms' patches were replaced there and ran no
 So the first patcher turns the instance's kernelization off (``set_use_kernels(False)``: transformers
 5.25 restores the class forwards, 5.24 keeps the kernels' forwards and stops re-kernelizing), logs
 it, and ``unpatch_model`` turns it on again in the mode it had. Modules fasttune does not patch keep
-the classes' forwards from then on (5.25) or the kernels' (5.24).
+the classes' forwards from then on (5.25) or the kernels' (5.24). A re-patch (``patch_model`` on a
+patched model) hands the switch from the old report to the new one instead of kernelizing in between
+(on CUDA that would fetch the kernels from the Hub again, only to turn them off once more).
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def suspend_hub_kernels(base: nn.Module, spec, classes, config, report: PatchRep
                     "turns them back on", type(module).__name__)
 
 
+def hand_over(old: PatchReport, new: PatchReport) -> None:
+    """Move the kernelization's undo from ``old`` (about to be undone by a re-patch) to ``new``: the
+    models stay unkernelized through the re-patch, and ``new``'s undo turns them back on."""
+    kept = [fn for fn in old._undo if isinstance(fn, _Rekernelize)]
+    if not kept:
+        return
+    old._undo[:] = [fn for fn in old._undo if not isinstance(fn, _Rekernelize)]
+    for fn in kept:
+        new.on_undo(fn)
+        new.add(OP)
+
+
 class _Rekernelize:
     """Kernelizes the model again, in the mode it had. An object, not a closure, so that
     ``copy.deepcopy`` of a patched model restores the copy, not the original."""
@@ -61,4 +75,4 @@ class _Rekernelize:
                            "unpatching: %s", type(self.module).__name__, err)
 
 
-__all__ = ["OP", "suspend_hub_kernels"]
+__all__ = ["OP", "hand_over", "suspend_hub_kernels"]

@@ -18,7 +18,7 @@ from .attention import patch_attention
 from .checkpointing import install_checkpointing
 from .families import FAMILIES, family_for, resolve_classes
 from .head import patch_head
-from .hub_kernels import suspend_hub_kernels
+from .hub_kernels import hand_over as hand_over_hub_kernels, suspend_hub_kernels
 from .instance import find_causal_lm
 from .lora import patch_lora
 from .lora_fp8 import patch_fp8_bases
@@ -59,10 +59,12 @@ def patch_model(model: nn.Module, config: FastConfig | None = None) -> PatchRepo
     _check_model(model, "patch_model")
     config = FastConfig.coerce(config, "config")
     base = find_causal_lm(model)
-    if getattr(base, STATE_ATTR, None) is not None:
-        unpatch_model(base)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     report = PatchReport(model_type=model_type)
+    previous = getattr(base, STATE_ATTR, None)
+    if previous is not None:
+        hand_over_hub_kernels(previous, report)  # stays unkernelized through the re-patch
+        unpatch_model(base)
     spec = family_for(model_type)
     if spec is None:
         report.fallback("*", str(model_type), f"model_type {model_type!r} is not supported; supported: "

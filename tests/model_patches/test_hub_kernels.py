@@ -36,12 +36,19 @@ out["after_patch"] = model.use_kernels
 out["off"] = report.patched["hub_kernels_off"]
 if sys.argv[1] == "kernelize-again":  # the control: the user turns the Hub kernels on over the patch
     model.set_use_kernels(True)
+switches = []
+if sys.argv[1] == "repatch":  # patch_model again: no kernelization in between, one undo that restores it
+    setter = model.set_use_kernels
+    model.set_use_kernels = lambda on, **kw: (switches.append(on), setter(on, **kw))[1]
+    report = patch_model(model, FastConfig(checkpointing=None))
+    out["off"] = report.patched["hub_kernels_off"]
 model.train()  # what Trainer.train() does first: a mode change, which kernelizes a kernelized model again
 model(**make_batch(model.config.vocab_size, seed=1)).loss.backward()
 out["norm_calls"] = {why: n for (op, why), n in report.calls.items() if op == "rms_norm"}
 out["warnings"] = report.call_summary()[1]
 unpatch_model(model)
 out["after_unpatch"] = model.use_kernels
+out["switches"] = switches
 print("RESULT " + json.dumps(out))
 """
 
@@ -75,3 +82,14 @@ def test_control_kernelizing_over_the_patch_replaces_the_norms():
     assert out["after_patch"] is False
     assert out["norm_calls"].get("fused", 0) == 0
     assert any(w.startswith("rms_norm is patched but ran no call fused") for w in out["warnings"]), out["warnings"]
+
+
+def test_a_repatch_does_not_kernelize_in_between():
+    """``patch_model`` on a patched kernelized model: the kernelization stays off through the re-patch (no
+    ``set_use_kernels(True)`` then ``False``: on CUDA a Hub fetch each time), the new report holds its undo,
+    the norms run fused, and ``unpatch_model`` turns it back on once."""
+    out = _run("repatch")
+    assert out["after_patch"] is False and out["off"] == 1
+    assert out["norm_calls"].get("fused", 0) > 0 and set(out["norm_calls"]) == {"fused"}, out["norm_calls"]
+    assert out["switches"] == [True], out["switches"]  # only unpatch_model's
+    assert out["after_unpatch"] is True
