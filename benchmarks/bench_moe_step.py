@@ -213,6 +213,13 @@ def worker(stack: str, args) -> None:
                 ckpt = layer_checkpointing(model)
                 if ckpt is not None and ckpt.stash is not None:  # cores stashed, over budget, link busy
                     row["stash"] = dataclasses.asdict(ckpt.stash.stats)
+                if ckpt is not None and ckpt.graphs is not None:  # what the graphs options actually captured
+                    g, bwd = ckpt.graphs, ckpt.graphs.backward
+                    row["graphs"] = dict(captures=g.captures, replays=g.replays, eager=sorted(g.logged))
+                    if bwd is not None:
+                        row["graphs"]["backward"] = dict(captures=bwd.captures, replays=bwd.replays,
+                                                         eager=sorted(bwd.logged))
+                    log(f"    graphs {row['graphs']}")
             if stack in args.profile:
                 row["profile"] = common.profile(step, f"{stack}_moe_{b}x{s}", args.trace_dir or None,
                                                 steps=args.profile_steps)

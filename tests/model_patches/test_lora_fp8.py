@@ -212,17 +212,23 @@ def test_fp8_products_run_on_fp8_tensor_cores_on_gpu():
     assert rel_err(loss_fp8, loss_exact) <= 1e-2, (loss_fp8, loss_exact)
 
 
-# The caching allocator is process-wide: after other tests, the weights can land in segments that
-# earlier tests' live tensors share, which no empty_cache can return (seen in a full `pytest -m gpu`
-# run: reserve unchanged). A fresh process measures what a user's process sees.
+# The caching allocator is process-wide: after other tests the weights share segments with earlier
+# tests' tensors, which no empty_cache can return (a full `pytest -m gpu` run: reserve unchanged), so the
+# body runs in a fresh process. At small widths the claim does not hold either (an H100, 2026-12-05:
+# 1024/4096 widths, 66 -> 98 MiB): 8 MiB weights share 20 MiB segments with the embeddings and each
+# other, and codes of 1 MiB or less open small-pool segments. One decoder layer of Llama-3-8B's widths
+# is what the 8B model is made of: weights of 32-112 MiB in segments of their own, so the segments the
+# FP8 codes do not land in go back whole (expected: 256 of 416 MiB returned, 72 MiB of new segments).
 _RELEASE_SCRIPT = """
 import json, torch
 from peft import LoraConfig, get_peft_model
 from fasttune import FastConfig, patch_model
 from helpers.tiny_models import tiny_model
 projs = %r
-model = get_peft_model(tiny_model("llama", dtype=torch.bfloat16, vocab_size=%d, hidden_size=1024,
-                                  intermediate_size=4096, head_dim=64).cuda(), LoraConfig(r=8, target_modules=list(projs)))
+model = get_peft_model(tiny_model("llama", dtype=torch.bfloat16, vocab_size=%d, hidden_size=4096,
+                                  intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                                  head_dim=128, num_hidden_layers=1).cuda(),
+                       LoraConfig(r=8, target_modules=list(projs)))
 sixteen = sum(m.weight.numel() * 2 for n, m in model.named_modules() if n.endswith(projs) and hasattr(m, "weight"))
 torch.cuda.synchronize()
 reserved = torch.cuda.memory_reserved()
@@ -236,7 +242,8 @@ print("RESULT " + json.dumps({"before": reserved, "after": torch.cuda.memory_res
 
 @pytest.mark.gpu
 def test_replaced_16bit_weights_leave_the_cuda_cache():
-    """The freed 16-bit weights do not stay reserved by the caching allocator after the switch to FP8."""
+    """The freed 16-bit weights do not stay reserved by the caching allocator after the switch to FP8
+    (one decoder layer at Llama-3-8B widths, in a fresh process)."""
     import json
     import os
     import subprocess
@@ -251,6 +258,7 @@ def test_replaced_16bit_weights_leave_the_cuda_cache():
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads(line[len("RESULT "):])
-    assert out["fp8_layers"] == len(PROJS) * LAYERS, out  # every projection was converted
+    assert out["fp8_layers"] == len(PROJS), out  # every projection of the layer was converted
+    assert out["sixteen"] == 416 * 2**20, out  # q, o 32 MiB; k, v 8; gate, up, down 112
     # 16-bit bytes freed, half as many FP8 bytes allocated: the reserve shrinks by about half the 16-bit bytes.
     assert out["after"] <= out["before"] - 0.3 * out["sixteen"], out
