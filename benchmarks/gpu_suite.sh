@@ -8,8 +8,8 @@
 #   step      bench_step.py: hf, liger, fasttune (offload / recompute / auto in 80 GiB), unsloth;
 #             bf16 and NF4; 4x2048 and 1x8192 (more flags: STEP_ARGS)           STEP_S=540
 #   kernels   bench_kernels.py, with the RoPE launch sweep unless KERNELS_ARGS="" KERNELS_S=90
-#   tests     pytest -m gpu (every suite: ~7 min on the H200), then the fused-LoRA/checkpointing files
-#             without the marker                                                 TESTS_S=480 (+60)
+#   tests     pytest -m gpu (every suite: 93 tests in 528 s on an H100), then the fused-LoRA/checkpointing files
+#             without the marker                                                 TESTS_S=560 (+60)
 #   fp8q      fp8_quality.py on the 0.54B model: FP8Q_SEEDS (3) adapter seeds per arm, the shipped FP8
 #             path and its ablations (FP8Q_VARIANTS=fp8,fp8-fwd,fp8-bwd,fp8-w)   FP8Q_S=570
 #   generate  bench_generate.py: bf16 and bf16+LoRA, batch 1 and 8, 32 layers     GENERATE_S=110
@@ -47,7 +47,7 @@ job() {  # job NAME GPU
                 --out "$out/step.json" ${STEP_ARGS:-} ;;
         kernels) env $env timeout "${KERNELS_S:-90}" python3 benchmarks/bench_kernels.py --no-compile \
                 --reps 15 --out "$out/kernels.json" ${KERNELS_ARGS---tune-rope} ;;
-        tests) env $env timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=25 \
+        tests) env $env timeout "${TESTS_S:-560}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=25 --continue-on-collection-errors \
                 -m gpu tests
                 env $env timeout 60 python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/kernels/test_lora_glu.py \
                 tests/kernels/test_lora.py tests/kernels/test_lora_wide.py tests/kernels/test_spare_columns.py \
