@@ -48,11 +48,7 @@ def suspend_hub_kernels(base: nn.Module, spec, classes, config, report: PatchRep
 def hand_over(old: PatchReport, new: PatchReport) -> None:
     """Move the kernelization's undo from ``old`` (about to be undone by a re-patch) to ``new``: the
     models stay unkernelized through the re-patch, and ``new``'s undo turns them back on."""
-    kept = [fn for fn in old._undo if isinstance(fn, _Rekernelize)]
-    if not kept:
-        return
-    old._undo[:] = [fn for fn in old._undo if not isinstance(fn, _Rekernelize)]
-    for fn in kept:
+    for fn in old.take_undo(lambda fn: isinstance(fn, _Rekernelize)):
         new.on_undo(fn)
         new.add(OP)
 

@@ -69,6 +69,12 @@ class PatchReport:
     def on_undo(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
 
+    def take_undo(self, wanted: Callable[[Callable[[], None]], bool]) -> list[Callable[[], None]]:
+        """Remove and return the undo steps ``wanted`` picks (in the order they were registered)."""
+        taken = [fn for fn in self._undo if wanted(fn)]
+        self._undo[:] = [fn for fn in self._undo if not wanted(fn)]
+        return taken
+
     def undo(self) -> None:
         """Restore every patched module, last patch first. Idempotent."""
         while self._undo:

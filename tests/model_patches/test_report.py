@@ -29,6 +29,17 @@ def test_undo_runs_last_first_once():
     assert order == [2, 1]
 
 
+def test_take_undo_removes_only_the_picked_steps():
+    order = []
+    r = PatchReport()
+    steps = [lambda i=i: order.append(i) for i in range(4)]
+    for fn in steps:
+        r.on_undo(fn)
+    assert r.take_undo(lambda fn: fn in (steps[0], steps[2])) == [steps[0], steps[2]]
+    r.undo()
+    assert order == [3, 1]
+
+
 def _reports_logged(caplog) -> int:
     return sum(r.getMessage().startswith("fasttune patch report") for r in caplog.records)
 
