@@ -50,11 +50,12 @@ def launch(scenario: str, out_dir: Path, *args: str, world_size: int = 2, timeou
                                       stdout=log, stderr=subprocess.STDOUT,
                                       env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
     deadline = time.monotonic() + timeout
+    timed_out = False
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pass
+        timed_out = True
     finally:
         for p in procs:
             if p.poll() is None:
@@ -66,7 +67,8 @@ def launch(scenario: str, out_dir: Path, *args: str, world_size: int = 2, timeou
     if any(codes):
         tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + (out_dir / f"rank{r}.log").read_text()[-4000:]
                           for r, c in enumerate(codes))
-        raise AssertionError(f"{scenario}: ranks exited with {codes}\n{tails}")
+        why = f" (killed at the {timeout:.0f} s deadline)" if timed_out else ""
+        raise AssertionError(f"{scenario}: ranks exited with {codes}{why}\n{tails}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
