@@ -10,19 +10,18 @@ Liger's RMSNorm from the Hub: the instance's patched forward is replaced either 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.fresh_process import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / ".venv" / "kernels-site"
 
 SCRIPT = r"""
-import json, sys, tempfile
+import sys, tempfile
+from helpers.fresh_process import result_line
 from helpers.tiny_models import make_batch, tiny_model
 from transformers import AutoModelForCausalLM
 from fasttune import FastConfig, patch_model, unpatch_model
@@ -49,20 +48,14 @@ out["warnings"] = report.call_summary()[1]
 unpatch_model(model)
 out["after_unpatch"] = model.use_kernels
 out["switches"] = switches
-print("RESULT " + json.dumps(out))
+print(result_line(out))
 """
 
 
 def _run(mode: str) -> dict:
     if not (SITE / "kernels").is_dir():
         pytest.skip(f"the kernels package is not installed in {SITE} (bash scripts/setup_test_tools.sh)")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
-        [str(SITE), str(ROOT), str(ROOT / "tests" / "_lib")]))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return run_script(SCRIPT, mode, paths=[SITE], HF_HUB_OFFLINE="1")
 
 
 def test_patched_norms_survive_train_on_a_kernelized_model():

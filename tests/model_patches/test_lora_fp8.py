@@ -27,6 +27,7 @@ from fasttune import FastConfig, patch_model, unpatch_model
 from fasttune.model_patches.fp8_base import is_fp8_layer
 from fasttune.model_patches.lora_widen import WIDE_ATTR
 from helpers.compare import assert_grads_close, grad_errors, rel_err
+from helpers.fresh_process import run_script
 from helpers.spies import count_fused_lora
 from helpers.tiny_models import make_batch, tiny_model
 
@@ -220,7 +221,8 @@ def test_fp8_products_run_on_fp8_tensor_cores_on_gpu():
 # is what the 8B model is made of: weights of 32-112 MiB in segments of their own, so the segments the
 # FP8 codes do not land in go back whole (expected: 256 of 416 MiB returned, 72 MiB of new segments).
 _RELEASE_SCRIPT = """
-import json, torch
+import torch
+from helpers.fresh_process import result_line
 from peft import LoraConfig, get_peft_model
 from fasttune import FastConfig, patch_model
 from helpers.tiny_models import tiny_model
@@ -235,8 +237,8 @@ reserved = torch.cuda.memory_reserved()
 report = patch_model(model, FastConfig(base_dtype="fp8"))
 torch.cuda.synchronize()
 fp8 = sum(n for op, n in report.patched.items() if op.startswith("fp8_"))
-print("RESULT " + json.dumps({"before": reserved, "after": torch.cuda.memory_reserved(), "sixteen": sixteen,
-                              "fp8_layers": fp8}))
+print(result_line({"before": reserved, "after": torch.cuda.memory_reserved(), "sixteen": sixteen,
+                   "fp8_layers": fp8}))
 """
 
 
@@ -244,20 +246,7 @@ print("RESULT " + json.dumps({"before": reserved, "after": torch.cuda.memory_res
 def test_replaced_16bit_weights_leave_the_cuda_cache():
     """The freed 16-bit weights do not stay reserved by the caching allocator after the switch to FP8
     (one decoder layer at Llama-3-8B widths, in a fresh process)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests" / "_lib"),
-                                                      os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT % (PROJS, VOCAB)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = json.loads(line[len("RESULT "):])
+    out = run_script(_RELEASE_SCRIPT % (PROJS, VOCAB))
     assert out["fp8_layers"] == len(PROJS), out  # every projection of the layer was converted
     assert out["sixteen"] == 416 * 2**20, out  # q, o 32 MiB; k, v 8; gate, up, down 112
     # 16-bit bytes freed, half as many FP8 bytes allocated: the reserve shrinks by about half the 16-bit bytes.
