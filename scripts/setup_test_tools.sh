@@ -4,7 +4,9 @@
 #    quantised models on these CPUs, docs/FACTS.md, GGUF and llama.cpp); ~5 min once, then cached in .venv;
 #  - Debian's chromium for the Space's browser tests (Playwright cannot download browsers here);
 #  - the `kernels` package (transformers' Hub kernels, use_kernels) in .venv/kernels-site, not in the venv:
-#    there bitsandbytes and transformers would reach for the Hub at import; one test puts it on a subprocess's path.
+#    there bitsandbytes and transformers would reach for the Hub at import; one test puts it on a subprocess's path;
+#  - huggingface_hub 1.x (the GPU image's; pyproject allows >= 1.0, constraints.txt pins 2.x) in .venv/hub1-site:
+#    tests/export/test_hub_on_huggingface_hub_1.py runs the Hub tests again with it first on the path.
 # Usage: setup_test_tools.sh            install both (the llama wheel from build/wheels when prefetched)
 #        setup_test_tools.sh --prefetch  build the llama wheel into build/wheels and install chromium; needs
 #                                        no .venv, so scripts/test.sh runs it while pip fills .venv (the build
@@ -45,6 +47,12 @@ if ! has_llama; then
     --find-links "$WHEELS" "$LLAMA"
 fi
 install_chromium
+HUB1="huggingface_hub==1.33.0"  # its httpx comes from the venv (gradio's)
+if [ ! -d .venv/hub1-site/huggingface_hub-1.33.0.dist-info ]; then
+  echo "installing $HUB1 into .venv/hub1-site..."
+  rm -rf .venv/hub1-site
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps --target .venv/hub1-site "$HUB1"
+fi
 if [ ! -d .venv/kernels-site/kernels ]; then
   echo "installing kernels into .venv/kernels-site..."
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -c constraints.txt \
