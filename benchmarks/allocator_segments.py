@@ -1,4 +1,4 @@
-"""The CUDA caching allocator's segments after a step: where a reserve larger than the allocation sits."""
+"""The CUDA caching allocator's segments after a step: where a reserve larger than the allocation sits, per stream and pool."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ GIB = 2 ** 30
 
 def segment_summary() -> dict:
     """The allocator's mapped memory after a step, per stream: reserved, in use, free, the largest free range,
-    and free bytes by range size (where a reserve larger than the allocation sits)."""
+    and free bytes by range size (where a reserve larger than the allocation sits). A CUDA graphs' private pool
+    is a row of its own (its blocks freed inside a capture stay reserved for the replays)."""
     out: dict = {}
     for seg in torch.cuda.memory_snapshot():
-        row = out.setdefault(f"stream {seg['stream']:#x}" + (" (expandable)" if seg.get("is_expandable") else ""),
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        key = f"stream {seg['stream']:#x}" + (f" graph pool {pool}" if pool != (0, 0) else "")
+        row = out.setdefault(key + (" (expandable)" if seg.get("is_expandable") else ""),
                              dict(segments=0, reserved_gib=0.0, active_gib=0.0, free_gib=0.0, largest_free_mib=0.0,
                                   free_by_size_gib={}))
         row["segments"] += 1

@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as common  # noqa: E402  (imports Unsloth first in an unsloth worker; sets the smoke interpreter)
 
 import torch  # noqa: E402
+from allocator_segments import segment_summary  # noqa: E402 - benchmarks/ is on sys.path as the script dir
 
 GIB = 1 << 30
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -201,7 +202,21 @@ def worker(stack: str, args) -> None:
         try:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            row.update(common.measure(step, b * s, args.warmup, args.steps, gc_mode=args.gc))
+            warmup = args.warmup
+            if args.segments and torch.cuda.is_available():  # the warm-up here: the pools between it and the steps
+                row["loss_warmup"] = [round(float(step()), 4) for _ in range(warmup)]
+                torch.cuda.synchronize()
+                row["reserved_after_warmup_gib"] = round(torch.cuda.memory_reserved() / GIB, 2)
+                row["peak_reserved_warmup_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
+                row["segments_after_warmup"] = segment_summary()
+                if args.segments == "release":  # does the steps' reserve grow back? (what a leftover would not do)
+                    torch.cuda.empty_cache()
+                    row["reserved_after_release_gib"] = round(torch.cuda.memory_reserved() / GIB, 2)
+                warmup = 0
+            row.update(common.measure(step, b * s, warmup, args.steps, gc_mode=args.gc))
+            if args.segments and torch.cuda.is_available():
+                row["segments"] = segment_summary()
+                log(f"    segments {json.dumps({k: row[k] for k in row if 'segments' in k or 'reserved' in k})}")
             if torch.cuda.is_available():
                 row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
             report = getattr(model, "_bench_report", None)
@@ -262,7 +277,7 @@ def run_stack(stack: str, args, log) -> list[dict]:
            "--ckpt-dir", args.ckpt_dir or "", "--profile", ",".join(args.profile),
            "--host-profile", ",".join(args.host_profile), "--profile-steps", str(args.profile_steps),
            "--trace-dir", args.trace_dir,
-           "--stash", ",".join(args.stash)] + (
+           "--stash", ",".join(args.stash), "--segments", args.segments] + (
                ["--smoke"] if args.smoke else []) + (["--forward-graphs"] if args.forward_graphs else []) \
         + (["--backward-graphs"] if args.backward_graphs else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
@@ -373,6 +388,9 @@ def parse_args(argv=None):
                    help="fasttune: FastConfig(checkpoint_forward_graphs=True), the layers' forward from CUDA graphs")
     p.add_argument("--backward-graphs", action="store_true",
                    help="fasttune: FastConfig(checkpoint_backward_graphs=True), the layers' backward from CUDA graphs too")
+    p.add_argument("--segments", default="", choices=("", "on", "release"),
+                   help="the warm-up run apart, the allocator's segments per stream and pool after it and after the "
+                        "steps (allocator_segments.py); release: torch.cuda.empty_cache() between the two")
     p.add_argument("--ckpt-dir", default=None, help="where unsloth's checkpoint is written/read ('' to skip)")
     p.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="write the rows as JSON here")
