@@ -56,9 +56,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as common  # noqa: E402  (imports Unsloth first in an unsloth worker; sets the smoke interpreter)
 
 import torch  # noqa: E402
-from allocator_segments import segment_summary  # noqa: E402 - benchmarks/ is on sys.path as the script dir
+from allocator_segments import pool_peak, segment_summary  # noqa: E402 - benchmarks/ is on sys.path as the script dir
 
 GIB = 1 << 30
+HISTORY_ENTRIES = 1_000_000  # --segments history: the trace's ring buffer
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                      mlp_only_layers=[], num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -203,9 +204,13 @@ def worker(stack: str, args) -> None:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             warmup = args.warmup
+            history = args.segments == "history" and torch.cuda.is_available()
+            if history:  # every allocation with its stack, from the first warm-up step to the last timed one
+                torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
             if args.segments and torch.cuda.is_available():  # the warm-up here: the pools between it and the steps
                 row["loss_warmup"] = [round(float(step()), 4) for _ in range(warmup)]
                 torch.cuda.synchronize()
+                since = len(torch.cuda.memory._snapshot()["device_traces"][0]) if history else 0
                 row["reserved_after_warmup_gib"] = round(torch.cuda.memory_reserved() / GIB, 2)
                 row["peak_reserved_warmup_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
                 row["segments_after_warmup"] = segment_summary()
@@ -216,6 +221,19 @@ def worker(stack: str, args) -> None:
             row.update(common.measure(step, b * s, warmup, args.steps, gc_mode=args.gc))
             if args.segments and torch.cuda.is_available():
                 row["segments"] = segment_summary()
+            if history:  # each pool's traced peak and what was alive then (the main pool's after the warm-up)
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                if len(snap["device_traces"][0]) >= HISTORY_ENTRIES:
+                    row["history_truncated"] = True  # the oldest entries dropped: fewer --steps
+                pools = sorted({tuple(seg.get("segment_pool_id") or (0, 0)) for seg in snap["segments"]})
+                row["pool_peaks"] = [pool_peak(snap, pool, since if pool == (0, 0) else 0) for pool in pools]
+                for peak in row["pool_peaks"]:
+                    log(f"    pool {peak['pool']}: traced peak {peak['peak_mib']} MiB at entry {peak['at_entry']} "
+                        f"of {peak['entries']}: {json.dumps(peak['live'])}")
+                if args.trace_dir:
+                    torch.cuda.memory._dump_snapshot(os.path.join(args.trace_dir, f"{stack}_moe_{b}x{s}_memory.pickle"))
+                del snap
                 log(f"    segments {json.dumps({k: row[k] for k in row if 'segments' in k or 'reserved' in k})}")
             if torch.cuda.is_available():
                 row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
@@ -388,9 +406,11 @@ def parse_args(argv=None):
                    help="fasttune: FastConfig(checkpoint_forward_graphs=True), the layers' forward from CUDA graphs")
     p.add_argument("--backward-graphs", action="store_true",
                    help="fasttune: FastConfig(checkpoint_backward_graphs=True), the layers' backward from CUDA graphs too")
-    p.add_argument("--segments", default="", choices=("", "on", "release"),
+    p.add_argument("--segments", default="", choices=("", "on", "release", "history"),
                    help="the warm-up run apart, the allocator's segments per stream and pool after it and after the "
-                        "steps (allocator_segments.py); release: torch.cuda.empty_cache() between the two")
+                        "steps (allocator_segments.py); release: torch.cuda.empty_cache() between the two; history: "
+                        "also each pool's peak and what was alive then, from torch's memory history (use few --steps; "
+                        "with --trace-dir the snapshot is kept for pytorch.org/memory_viz)")
     p.add_argument("--ckpt-dir", default=None, help="where unsloth's checkpoint is written/read ('' to skip)")
     p.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("--out", help="write the rows as JSON here")

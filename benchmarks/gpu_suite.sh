@@ -25,6 +25,8 @@
 #             frozen and an fp32 master W under bf16 hidden (--fp32-master)       LOSS_S=240
 #   moe       bench_moe_step.py: 8 Qwen3-30B-A3B layers, MOE_STACKS (fasttune,unsloth) with the forward's CUDA
 #             graphs, MOE_ROUNDS (3) alternating rounds in fresh processes (reserves move between processes) MOE_S=560
+#   moemem    bench_moe_step.py --segments history: where the backward-graphed MoE step's reserve sits, each pool's
+#             traced peak and what was alive then (fasttune only, 2 steps)           MOEMEM_S=120
 #   vlm       bench_vlm.py: Qwen2.5-VL-7B shape with images, hf / fasttune / unsloth (VLM_ARGS) VLM_S=560
 #   launch    accelerate launch examples/multi_gpu/train.py over every GPU with ddp.yaml,
 #             fsdp2.yaml and deepspeed_zero3.yaml: the embedded model (full fine-tuning) and
@@ -79,6 +81,9 @@ job() {  # job NAME GPU
         moe) env $env timeout "${MOE_S:-560}" python3 benchmarks/bench_moe_step.py --budget-s $(( ${MOE_S:-560} - 20 )) \
                 --layers 8 --steps 8 --warmup 3 --stacks "${MOE_STACKS:-fasttune,unsloth}" --forward-graphs \
                 --rounds "${MOE_ROUNDS:-3}" --out "$out/moe.json" ${MOE_ARGS:-} ;;
+        moemem) env $env timeout "${MOEMEM_S:-120}" python3 benchmarks/bench_moe_step.py --budget-s $(( ${MOEMEM_S:-120} - 10 )) \
+                --layers 8 --steps 2 --warmup 3 --stacks fasttune --backward-graphs --segments history \
+                --out "$out/moemem.json" ${MOEMEM_ARGS:-} ;;
         vlm) env $env timeout "${VLM_S:-560}" python3 benchmarks/bench_vlm.py --stack-timeout-s 240 \
                 --steps 3 --warmup 1 --out "$out/vlm.json" ${VLM_ARGS:-} ;;
         launch) launch_examples ;;

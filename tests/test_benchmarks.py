@@ -283,3 +283,44 @@ def test_bench_moe_step_rounds_table_takes_medians_and_memory_ranges():
     assert single[2] == "| fasttune | 4x2048 | 300 (1.50× unsloth) | 13.44 | 14.19 |"
     with pytest.raises(SystemExit):
         moe.parse_args(["--rounds", "0"])
+
+
+def test_pool_peak_places_each_pools_peak_and_names_what_was_alive():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from allocator_segments import pool_peak
+
+    MiB = 2 ** 20
+
+    def frames(name):  # innermost first, as torch records them: a torch frame, then fasttune's caller
+        return [{"filename": "/env/site-packages/torch/functional.py", "line": 7, "name": "mm"},
+                {"filename": "/repo/fasttune/kernels/grouped_mlp.py", "line": 300, "name": name}]
+
+    def ev(action, addr, size, name=""):
+        return dict(action=action, addr=addr * MiB, size=size * MiB, frames=frames(name) if name else [])
+
+    snapshot = {"segments": [dict(address=0, total_size=1000 * MiB, segment_pool_id=(0, 0)),
+                             dict(address=1000 * MiB, total_size=1000 * MiB, segment_pool_id=(0, 1))],
+                "device_traces": [[
+                    ev("alloc", 0, 100, "weights"),         # 0 main
+                    ev("alloc", 1000, 300, "gate_up"),      # 1 pool
+                    ev("alloc", 1300, 200, "dy"),           # 2 pool
+                    ev("free_requested", 1000, 300),        # 3 not completed: still the pool's
+                    ev("alloc", 1500, 100, "dy"),           # 4 pool: 600, its peak
+                    ev("free_completed", 1000, 300),        # 5 pool: 300
+                    ev("alloc", 100, 50, "head"),           # 6 main: 150
+                    ev("free_completed", 100, 50),          # 7 main: 100
+                    ev("alloc", 200, 20, "head"),           # 8 main: 120
+                    ev("alloc", 5000, 999, "elsewhere"),    # 9 in no segment of the snapshot: no pool's
+                    dict(ev("alloc", 1700, 50, "graph"), pool_id=(0, 2)),  # 10 newer torch names the pool itself
+                ]]}
+    pool = pool_peak(snapshot, (0, 1))
+    assert (pool["peak_mib"], pool["at_entry"], pool["entries"]) == (600, 4, 11)
+    assert pool["live"] == [dict(where="kernels/grouped_mlp.py:300 dy", mib=300, blocks=2),
+                            dict(where="kernels/grouped_mlp.py:300 gate_up", mib=300, blocks=1)]
+    main = pool_peak(snapshot, (0, 0))
+    assert (main["peak_mib"], main["at_entry"]) == (150, 6)
+    later = pool_peak(snapshot, (0, 0), since=7)  # after a warm-up: the peak of the entries from 7 on
+    assert (later["peak_mib"], later["at_entry"]) == (120, 8)
+    assert {r["where"]: r["mib"] for r in later["live"]} == {"kernels/grouped_mlp.py:300 weights": 100,
+                                                              "kernels/grouped_mlp.py:300 head": 20}
+    assert pool_peak(snapshot, (0, 2))["peak_mib"] == 50
