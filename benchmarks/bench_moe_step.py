@@ -221,6 +221,7 @@ def worker(stack: str, args) -> None:
             row.update(common.measure(step, b * s, warmup, args.steps, gc_mode=args.gc))
             if args.segments and torch.cuda.is_available():
                 row["segments"] = segment_summary()
+                log(f"    segments {json.dumps({k: row[k] for k in row if 'segments' in k or 'reserved' in k})}")
             if history:  # each pool's traced peak and what was alive then (the main pool's after the warm-up)
                 snap = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
@@ -234,7 +235,6 @@ def worker(stack: str, args) -> None:
                 if args.trace_dir:
                     torch.cuda.memory._dump_snapshot(os.path.join(args.trace_dir, f"{stack}_moe_{b}x{s}_memory.pickle"))
                 del snap
-                log(f"    segments {json.dumps({k: row[k] for k in row if 'segments' in k or 'reserved' in k})}")
             if torch.cuda.is_available():
                 row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
             report = getattr(model, "_bench_report", None)
