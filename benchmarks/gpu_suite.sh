@@ -119,6 +119,10 @@ lane() {  # lane GPU JOBS
 }
 
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+if [ "$#" -gt "$(nvidia-smi -L | wc -l)" ]; then  # a lane per GPU: jobs of one GPU go comma-separated in one lane
+    echo "gpu_suite.sh: $# lanes for $(nvidia-smi -L | wc -l) GPU(s); join one GPU's jobs with commas (moemem,loss)" >&2
+    exit 2
+fi
 gpu=0
 for jobs in "$@"; do
     lane "$gpu" "$jobs" &

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ._backend import check_float, check_same_device, interpreter_on, next_power_of_2
 from .label_summary import LabelSummary
+from .scratch_pool import scratch
 
 DEFAULT_WORKSPACE_MIB = 1024  # W trainable: every chunk read-modify-writes the fp32 dW, so fewer is faster
 # W frozen there is nothing to amortise: chunks of ~1k rows run the products as fast as 4k (bench_loss_chunks.py,
@@ -375,31 +376,34 @@ def head_chunks(hidden, weight, bias, rows, workspace_mib, run_pass, *, need_h=F
         db32 = torch.zeros(V, **f32)
     if n == 0:
         return dh, dw32, db32
-    # Workspace: each chunk's product writes ws[:e - s] before anything reads it.
-    ws = torch.empty(min(chunk, n), V, device=hidden.device, dtype=hidden.dtype)
-    wt = weight.t()
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        h = hidden[s:e] if rows is None else hidden.index_select(0, rows[s:e])
-        x = ws[: e - s]
-        if bias is None:
-            torch.mm(h, wt, out=x)
-        else:
-            torch.addmm(bias, h, wt, out=x)
-        run_pass(x, s, e)
-        if need_h:
-            if post is None and rows is None:
-                torch.mm(x, weight, out=dh[s:e])
+    # The workspace and each chunk's temporaries die in this call: under ``scratch_pool`` (the head of a model
+    # whose layers replay CUDA graphs) they take the graphs' idle pool, not the main pool's peak.
+    with scratch(hidden.device):
+        # Workspace: each chunk's product writes ws[:e - s] before anything reads it.
+        ws = torch.empty(min(chunk, n), V, device=hidden.device, dtype=hidden.dtype)
+        wt = weight.t()
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            h = hidden[s:e] if rows is None else hidden.index_select(0, rows[s:e])
+            x = ws[: e - s]
+            if bias is None:
+                torch.mm(h, wt, out=x)
             else:
-                part = torch.mm(x, weight) if post is None else mm_fp32(x, weight).mul_(post)
-                if rows is None:
-                    dh[s:e].copy_(part)
+                torch.addmm(bias, h, wt, out=x)
+            run_pass(x, s, e)
+            if need_h:
+                if post is None and rows is None:
+                    torch.mm(x, weight, out=dh[s:e])
                 else:
-                    dh.index_copy_(0, rows[s:e], part.to(dh.dtype))
-        if need_w:
-            addmm_fp32_(dw32, x.t(), h, beta=0.0 if s == 0 else 1.0)
-        if need_b:
-            db32.add_(x.sum(0, dtype=torch.float32))
+                    part = torch.mm(x, weight) if post is None else mm_fp32(x, weight).mul_(post)
+                    if rows is None:
+                        dh[s:e].copy_(part)
+                    else:
+                        dh.index_copy_(0, rows[s:e], part.to(dh.dtype))
+            if need_w:
+                addmm_fp32_(dw32, x.t(), h, beta=0.0 if s == 0 else 1.0)
+            if need_b:
+                db32.add_(x.sum(0, dtype=torch.float32))
     return dh, dw32, db32
 
 

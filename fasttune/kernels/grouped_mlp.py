@@ -16,8 +16,8 @@ Forward (S = T·k rows):
   5. out[t] = Σ of the k rows of token t (``moe_combine``: by the inverse permutation, in fp32, one pass).
 
 Backward, dY_i = dout[t_i] (a gather):
-  dH' = dY W_d + (dY s·B_d) A_d;  H' = moe_glu(GU, w) again (where the down projection's parameters
-  need it, before dGU exists: a smaller peak);  (dGU, dw) = moe_glu_backward(GU, dH', w)  [dw_i = ⟨dH'_i, v_i⟩,
+  H' = moe_glu(GU, w) again (where the down projection's parameters need it, first: it is freed before
+  dH' exists);  dH' = dY W_d + (dY s·B_d) A_d;  (dGU, dw) = moe_glu_backward(GU, dH', w)  [dw_i = ⟨dH'_i, v_i⟩,
   v = a(gate)·up]; with a down bias dw_i += ⟨dY_i, b_e⟩;  dx[t] = Σ_rows of t (dGU W_gu + (dGU s·B) A);
   dW_d[e] = dY_eᵀ H'_e,  dW_gu[e] = dGU_eᵀ x_e  (grouped_mm_wgrad; transposed layouts swap operands);
   dA = (dY s·B)ᵀ z,  dB = s·dYᵀ (z Aᵀ)  per expert;  db[e] = Σ rows of e (times w for the down bias).
@@ -35,7 +35,8 @@ Without autograd (no gradient asked for: a checkpointed layer's forward, inferen
 runs outside the Function and frees GU once the GLU has read it, before Y exists: the working set is
 x[t] + GU or H' + Y instead of GU + H' + Y (the CUDA graphs' pool of forward_graphs.py: 0.92 -> 0.67 GiB).
 
-Saved between forward and backward: GU [S, 2I] (its buffer receives dGU unless bordered), the
+Saved between forward and backward: GU [S, 2I] (its buffer receives dGU unless bordered; in a recompute
+whose backward follows at once, ``backward_follows.py``, it rides on ctx and is freed after its last read), the
 routing indices and the gate/up projection's rank-r product x[t] Aᵀ [S, r]; x[t], H' and the down
 projection's rank-r product are recomputed (x itself is the caller's; H' does not exist in a recompute that
 skips the down projection). A frozen weight held in
@@ -52,6 +53,7 @@ import torch
 
 from . import moe_reference as reference
 from ._backend import check_float, check_same_device, use_triton
+from .backward_follows import backward_follows_now
 from .grouped_mm import grouped_mm, grouped_mm_wgrad
 from .moe_combine import combine_rows
 from .moe_glu import moe_glu, moe_glu_backward
@@ -148,14 +150,20 @@ class _Proj:
             y.add_(b if row_weight is None else b * row_weight[:, None].to(b.dtype))
         return y, rank
 
-    def grad_input(self, dy, offs, dy_ext=None):
+    def rank_grad(self, dy, offs):
+        """s · dY Bₑ [rows, r] (None without an adapter)."""
+        return None if self.a is None else grouped_mm(dy, self.b_s, offs)
+
+    def grad_input(self, dy, offs, dy_ext=None, dyb=None):
         """(dz [rows, in], s · dY Bₑ [rows, r] or None). ``dy_ext`` (bordered): [rows, out + R] whose first
         ``out`` columns are ``dy`` and whose columns past out + r are zero; dz is then one product,
-        [dY | s·dY B | 0] Mₑ[:, :in]. Else separate products (a strided dz, the alternative, costs more)."""
+        [dY | s·dY B | 0] Mₑ[:, :in]. Else separate products (a strided dz, the alternative, costs more).
+        ``dyb``: ``rank_grad(dy)`` when the caller has it."""
         weight_t = _as_kn(self.weight, self.transposed).transpose(1, 2)
         if self.a is None:
             return grouped_mm(dy, weight_t, offs), None
-        dyb = grouped_mm(dy, self.b_s, offs)
+        if dyb is None:
+            dyb = self.rank_grad(dy, offs)
         if self.bordered and dy_ext is not None:
             n_out = self.out_features
             dy_ext[:, n_out:n_out + dyb.shape[1]].copy_(dyb)
@@ -274,6 +282,11 @@ class GroupedMLPFunction(torch.autograd.Function):
         # NF4 weights are no tensors autograd can save: they ride on ctx (frozen, nothing to track).
         ctx.nf4 = {i: t for i, t in enumerate(tensors) if isinstance(t, NF4Weight)}
         saved = [None if i in ctx.nf4 else t for i, t in enumerate(tensors)]
+        # A recompute whose backward runs at once (backward_follows.py): GU rides on ctx, so that the
+        # backward frees it after its last read, before dX's [S, H] rows are taken.
+        ctx.gate_up = [state[5]] if backward_follows_now() else None
+        if ctx.gate_up is not None:
+            state = (*state[:5], None, *state[6:])
         ctx.save_for_backward(x, *state, *saved)
         ctx.glu, ctx.meta, ctx.k, ctx.w_dtype = glu, meta, top_k_index.shape[1], top_k_weights.dtype
         return out
@@ -281,6 +294,11 @@ class GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, expert, token, inverse, offs, w, gate_up, gu_rank, *tensors = ctx.saved_tensors
+        if ctx.gate_up is not None:
+            if not ctx.gate_up:
+                raise RuntimeError("grouped_mlp: a recompute's backward ran twice (its gate/up activations are "
+                                   "freed by the first); back-propagate a recompute once")
+            gate_up = ctx.gate_up.pop()
         tensors = [ctx.nf4.get(i, t) for i, t in enumerate(tensors)]
         needs = ctx.needs_input_grad
         t_needs = needs[6:]  # of the projections' tensors
@@ -293,18 +311,20 @@ class GroupedMLPFunction(torch.autograd.Function):
         # The [S, ·] temporaries (dY gathered, dH', dGU, H', x gathered, its gradient) may come from an idle
         # CUDA graph pool (scratch_pool.py): each dies in this backward. Gradients that leave it are
         # allocated outside those blocks.
+        # Order (the working set of each moment; bordered, [S, ·] bf16 at 8k tokens of Qwen3-30B-A3B):
+        # H' and dY's products for the down projection's parameters first (GU + H' + dY), then dH' (GU + dY +
+        # dH'), then dGU (GU + dH' + dGU), then dX (dGU + dX: GU is freed first where it rides on ctx).
+        reads_h = d_needs[0] or (d_p.a is not None and (d_needs[1] or d_needs[2]))
         with scratch(dout.device):
+            # H' (recomputed, bit for bit the forward's) where the down projection's parameter gradients read it.
+            h = moe_glu(gate_up, w, ctx.glu) if reads_h else None
             if d_p.bordered:  # dY gathered into [dY | 0 ...]: the border receives s·dY B
                 dy_ext = torch.cat((dout.to(dtype), dout.new_zeros(T, d_p.wide.extra, dtype=dtype)), 1)[token]
                 dy = dy_ext[:, : d_p.out_features]
             else:
                 dy_ext, dy = None, dout.to(dtype)[token]  # [S, H]
-            dh, dyb = d_p.grad_input(dy, offs, dy_ext)
-            # H' (recomputed, bit for bit the forward's) where the down projection's parameter gradients
-            # read it, before dGU exists: dY's and H''s blocks are free again when dGU's is taken.
-            reads_h = d_needs[0] or (d_p.a is not None and (d_needs[1] or d_needs[2]))
-            h = moe_glu(gate_up, w, ctx.glu) if reads_h else None
-        # The down projection's parameter gradients (its dz, dh, is already computed above).
+            dyb = d_p.rank_grad(dy, offs)
+        # The down projection's parameter gradients.
         d_grads = [None] * _FIELDS
         if d_needs[0]:
             d_grads[0] = (grouped_mm_wgrad(h, dy, offs, E) if d_p.transposed else grouped_mm_wgrad(dy, h, offs, E))
@@ -317,7 +337,10 @@ class GroupedMLPFunction(torch.autograd.Function):
             dw_bias = (dy.float() * d_p.bias[expert].float()).sum(-1)
             if t_needs[5]:
                 d_grads[1] = _segment_sum(dy.float() * w.float()[:, None], expert, E)
-        del h, dy, dy_ext, d_p
+        del h
+        with scratch(dout.device):
+            dh, _ = d_p.grad_input(dy, offs, dy_ext, dyb=dyb)
+        del dy, dy_ext, dyb, d_p
         with scratch(dout.device):
             gu_wide = ctx.meta[0][2]
             if tensors[2] is not None and _fits(gu_wide, tensors[0], tensors[2]):
@@ -331,7 +354,7 @@ class GroupedMLPFunction(torch.autograd.Function):
             else:
                 gu_ext = None
                 dgu, _, dw = moe_glu_backward(gate_up, dh, w, ctx.glu, overwrite=True, with_h=False)
-            del dh
+            del dh, gate_up  # GU's last read (freed here where it rode on ctx)
         if dw_bias is not None:
             dw = dw + dw_bias
         # The gate/up projection (bordered: dGU is the first 2I columns of gu_ext).

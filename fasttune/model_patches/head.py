@@ -33,6 +33,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..config import FastConfig
 from ..kernels.cross_entropy import fused_linear_cross_entropy, master_weight
 from ..kernels.label_summary import LabelSummary
+from ..kernels.scratch_pool import scratch_pool
+from .checkpointing import layer_checkpointing
 from .families import FamilySpec, family_for
 from .instance import PatchedForward, signature_has, stock_forward, swap_forward
 from .moe_aux import MoeCausalLMOutputWithPast, add_router_aux, router_logits_wanted
@@ -248,11 +250,12 @@ class FusedLossCausalLMForward(PatchedForward):
         outputs, hidden = self._backbone(args, kwargs)
         h, weight = self._flat_hidden(hidden, weight)
         self._warn_if_all_ignored(stats)
-        loss = fused_linear_cross_entropy(
-            h, weight, y, bias, ignore_index=IGNORE_INDEX, num_items_in_batch=num_items_in_batch,
-            label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
-            logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib, label_stats=stats,
-        )
+        with scratch_pool(*self._idle_graph_pool()):
+            loss = fused_linear_cross_entropy(
+                h, weight, y, bias, ignore_index=IGNORE_INDEX, num_items_in_batch=num_items_in_batch,
+                label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
+                logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib, label_stats=stats,
+            )
         common = dict(logits=None, hidden_states=getattr(outputs, "hidden_states", None),
                       attentions=getattr(outputs, "attentions", None))
         if router_aux is None:
@@ -281,6 +284,14 @@ class FusedLossCausalLMForward(PatchedForward):
                            "FastPatchCallback to serve them with fasttune's kernel.")
         return False
 
+    def _idle_graph_pool(self) -> tuple:
+        """(pool, stream) of the CUDA graphs the model's checkpointed layers replay (``checkpoint_forward_graphs``),
+        idle while the head runs: the head's workspace (~0.3 GiB of logits per chunk) takes the pool's free
+        blocks instead of adding to the main pool's peak (``kernels/scratch_pool.py``). (None, None) without."""
+        state = layer_checkpointing(self.module)
+        graphs = None if state is None else state.graphs
+        return (None, None) if graphs is None else graphs.scratch
+
     def _trl_fused(self, args, kwargs, labels, shift_labels, num_items_in_batch, params):
         settings = self.trl_settings or TrlHeadSettings()
         kwargs.pop("logits_to_keep", None)
@@ -290,8 +301,9 @@ class FusedLossCausalLMForward(PatchedForward):
         h, y, weight, shape = self._flat_inputs(hidden, labels, shift_labels, weight, fp32=settings.fp32_head)
         if bias is not None:
             bias = bias.to(weight.dtype)
-        fields = fused_lm_head_fields(h, y, weight, bias, settings, softcap=self.extras.trl_softcap,
-                                      logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib)
+        with scratch_pool(*self._idle_graph_pool()):
+            fields = fused_lm_head_fields(h, y, weight, bias, settings, softcap=self.extras.trl_softcap,
+                                          logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib)
         # TRL's per-token fields cover the seq-1 predicted positions (the padded last one is dropped).
         keep = slice(None, -1) if shift_labels is None else slice(None)
         per_token = {k: None if v is None else v.view(shape)[..., keep] for k, v in fields.items()}

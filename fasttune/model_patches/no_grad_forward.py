@@ -38,6 +38,7 @@ import logging
 import torch
 from torch import nn
 
+from ..kernels.backward_follows import backward_follows
 from ..kernels.scratch_pool import scratch_pool
 from .backward_graphs import BackwardGraphs
 from .forward_graphs import ForwardGraphs
@@ -168,7 +169,8 @@ def _recompute(ctx, h: torch.Tensor, grads: tuple, replayable: bool = False) -> 
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
-        with torch.enable_grad(), _Autocast(ctx.autocast, ctx.autocast_cache and not replayable):
+        # Both callers back-propagate through what this records at once (kernels/backward_follows.py).
+        with torch.enable_grad(), _Autocast(ctx.autocast, ctx.autocast_cache and not replayable), backward_follows():
             out = ctx.run(h)
     recorded = [fresh[k][i] if i < len(fresh.get(k, ())) else None for k, i in ctx.slots]
     if any(t is None for t in recorded):

@@ -13,6 +13,7 @@ import torch
 
 from fasttune.kernels import grouped_mlp as grouped_mlp_mod
 from fasttune.kernels import moe_reference as reference
+from fasttune.kernels.backward_follows import backward_follows
 from fasttune.kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
 from fasttune.kernels.moe_wide import WideExperts
 from fasttune.kernels.nf4_weight import NF4Weight
@@ -265,6 +266,32 @@ def test_forward_without_autograd_equals_the_functions_output(device, dtype, mon
     with torch.no_grad():
         got = grouped_mlp(x, index, weights, gate_up, down, glu)
     assert not applied and got.grad_fn is None and torch.equal(got, want.detach())
+
+
+@pytest.mark.parametrize("widen", [False, True])
+@pytest.mark.parametrize("name", ["silu_lora", "frozen_experts_lora", "gpt_oss_lora_bias"])
+def test_recompute_frees_gate_up_in_backward_with_the_same_numbers(device, name, widen, deterministic):
+    """Inside ``backward_follows`` (a recompute back-propagated at once) the gate/up activations ride on ctx, not
+    among autograd's saved tensors, and the backward frees them: output and every gradient bit for bit those of a
+    plain call (deterministic algorithms: CUDA's index_add_ of the bias gradients is atomic); a second backward
+    through the node raises instead of reading freed activations."""
+    case = _case(device, torch.float32, seed=41, **CASES[name])
+    case = _widened(case) if widen else case
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(42)).to(device)
+    want = _run(grouped_mlp, case, dy)
+    with backward_follows():
+        out = grouped_mlp(*case)
+    k = case[1].shape[1]
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+    assert not [t for t in saved if t.shape == (T * k, 2 * I)], "gate/up activations among the saved tensors"
+    got = [out, *torch.autograd.grad(out, _leaves(case), dy, retain_graph=True)]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i} differs from a plain call's"
+    # (widened: autograd's version check on the reloaded border buffer speaks first)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation" if widen else "backward ran twice"):
+        torch.autograd.grad(out, _leaves(case), dy)
+    out = grouped_mlp(*case)  # outside the block: saved as usual
+    assert [t for t in out.grad_fn.saved_tensors if t is not None and t.shape == (T * k, 2 * I)]
 
 
 @pytest.mark.parametrize("num_experts", [5, 256, 300])

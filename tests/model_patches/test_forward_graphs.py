@@ -127,19 +127,23 @@ def test_cuda_replays_equal_eager_steps_bitwise(autocast, family):
 
 @pytest.mark.gpu
 def test_cuda_experts_backward_scratch_in_the_graphs_pool_under_gradient_accumulation(monkeypatch):
-    """The experts' backward takes its temporaries from the graphs' idle pool (kernels/scratch_pool.py):
-    it did so on every backward after the first capture, and nothing allocated there outlives the
-    backward: with two micro-batches per step (the gradients of the first live through the second
-    forward's replays) loss and every gradient equal the eager model's bit for bit."""
-    from fasttune.kernels import grouped_mlp, scratch_pool
+    """The experts' backward and the loss head take their temporaries from the graphs' idle pool
+    (kernels/scratch_pool.py): both did so on every call after the first capture, and nothing allocated
+    there outlives its call: with two micro-batches per step (the gradients of the first live through the
+    second forward's replays; the head's input gradient is made before its workspace) loss and every
+    gradient equal the eager model's bit for bit."""
+    from fasttune.kernels import _lce_common, grouped_mlp, scratch_pool
 
-    pooled = []
+    pooled, head_pooled = [], []
 
-    def counting_scratch(device):
-        pooled.append(scratch_pool._POOL.get() is not None)
-        return scratch_pool.scratch(device)
+    def counting(seen):
+        def counting_scratch(device):
+            seen.append(scratch_pool._POOL.get() is not None)
+            return scratch_pool.scratch(device)
+        return counting_scratch
 
-    monkeypatch.setattr(grouped_mlp, "scratch", counting_scratch)
+    monkeypatch.setattr(grouped_mlp, "scratch", counting(pooled))
+    monkeypatch.setattr(_lce_common, "scratch", counting(head_pooled))
     base = _model("cuda")
     batches = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(8)]
     runs = []
@@ -162,9 +166,12 @@ def test_cuda_experts_backward_scratch_in_the_graphs_pool_under_gradient_accumul
         if graphs:
             assert layer_checkpointing(model).graphs.scratch[0] is not None
             assert any(pooled) and pooled[-1], "the experts' backward never used the graphs' pool"
+            assert any(head_pooled) and head_pooled[-1], f"the head's workspace left the graphs' pool: {head_pooled}"
             pooled.clear()
+            head_pooled.clear()
     _same_steps(*runs)
     assert not any(pooled), "an eager model's backward used a scratch pool"
+    assert head_pooled and not any(head_pooled), "an eager model's head used a scratch pool"
 
 
 @pytest.mark.gpu

@@ -88,6 +88,24 @@ def test_gradients_equal_an_unchecked_run_bitwise(model_type):
     _same(fast, _step(model, make_batch(model.config.vocab_size, seed=3)))
 
 
+def test_the_experts_see_the_recompute_marker_only_in_the_recompute(monkeypatch):
+    """The recompute in backward runs under ``backward_follows`` (the experts free their gate/up activations
+    in their backward there); the forward without autograd and a model without checkpointing do not."""
+    from fasttune.kernels import grouped_mlp
+
+    seen = []
+    real = grouped_mlp.backward_follows_now
+    monkeypatch.setattr(grouped_mlp, "backward_follows_now", lambda: seen.append(real()) or seen[-1])
+    _, fast = _run("qwen3_moe", "offload")
+    assert seen and all(seen), seen  # the Function runs in the recompute only, marked
+    calls = len(seen)
+    seen.clear()
+    model = _model("qwen3_moe")
+    patch_model(model, FastConfig(checkpointing=None))
+    _same(fast, _step(model, make_batch(model.config.vocab_size, seed=3)))
+    assert seen == [False] * calls, seen
+
+
 def test_the_layer_output_comes_from_the_recomputing_function():
     model = _model("llama")
     patch_model(model, FastConfig(checkpointing="offload", checkpoint_no_grad_forward=True))
