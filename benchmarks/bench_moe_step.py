@@ -345,11 +345,12 @@ def merge_rounds(rows: list[dict]) -> dict:
         if not ok:
             merged[key] = rs[-1]
             continue
+        skipped = sum(str(r.get("error", "")).startswith("skipped") for r in rs)  # not started: the time budget
         merged[key] = dict(ok[0], tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in ok)),
                            rounds_tokens_per_s=[r["tokens_per_s"] for r in ok],
                            rounds_peak_gib=[r["peak_gib"] for r in ok],
                            rounds_peak_reserved_gib=[r.get("peak_reserved_gib") for r in ok],
-                           failed_rounds=len(rs) - len(ok))
+                           failed_rounds=len(rs) - len(ok) - skipped, skipped_rounds=skipped)
     return merged
 
 
@@ -369,7 +370,8 @@ def table(rows: list[dict], args) -> str:
             speed = f"{r['tokens_per_s']:,} ({', '.join(ratios) or '-'})"
             if several:
                 speed += "; " + ", ".join(f"{v:,}" for v in r["rounds_tokens_per_s"]) + (
-                    f"; {r['failed_rounds']} failed" if r["failed_rounds"] else "")
+                    f"; {r['failed_rounds']} failed" if r["failed_rounds"] else "") + (
+                    f"; {r['skipped_rounds']} not run (time budget)" if r["skipped_rounds"] else "")
                 out.append(f"| {stack} | {b}x{s} | {speed} | {_spread(r['rounds_peak_gib'])} "
                            f"| {_spread(r['rounds_peak_reserved_gib'])} |")
             else:

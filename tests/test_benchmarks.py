@@ -263,7 +263,8 @@ def test_ab_forward_graphs_smoke(tmp_path):
 
 def test_bench_moe_step_rounds_table_takes_medians_and_memory_ranges():
     """``--rounds``: each stack's rows of every round merge into one table line: the median tok/s
-    (the ratios' basis), each round's tok/s, the range of peak memory, failed rounds counted."""
+    (the ratios' basis), each round's tok/s, the range of peak memory, failed rounds and rounds the time
+    budget left unstarted counted apart."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_moe_step as moe
 
@@ -274,10 +275,12 @@ def test_bench_moe_step_rounds_table_takes_medians_and_memory_ranges():
 
     rows = [row("fasttune", 1, 300, 13.44, 14.19), row("unsloth", 1, 200, 13.81, 14.15),
             row("fasttune", 2, 330, 13.44, 14.06), dict(stack="unsloth", shape="4x2048", round=2, error="boom"),
-            row("fasttune", 3, 310, 13.44, 14.12), row("unsloth", 3, 250, 13.81, 13.99)]
+            row("fasttune", 3, 310, 13.44, 14.12), row("unsloth", 3, 250, 13.81, 13.99),
+            dict(stack="fasttune", shape="4x2048", round=4, error="skipped: time budget")]
     lines = moe.table(rows, args).splitlines()
     assert "median of the rounds" in lines[0]
-    assert lines[2] == "| fasttune | 4x2048 | 310 (1.38× unsloth); 300, 330, 310 | 13.44 | 14.06–14.19 |"
+    assert lines[2] == ("| fasttune | 4x2048 | 310 (1.38× unsloth); 300, 330, 310; 1 not run (time budget) | 13.44 "
+                        "| 14.06–14.19 |")
     assert lines[3] == "| unsloth | 4x2048 | 225 (-); 200, 250; 1 failed | 13.81 | 13.99–14.15 |"
     single = moe.table(rows[:2], moe.parse_args(["--stacks", "fasttune,unsloth"])).splitlines()
     assert single[2] == "| fasttune | 4x2048 | 300 (1.50× unsloth) | 13.44 | 14.19 |"
