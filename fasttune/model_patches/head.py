@@ -250,7 +250,7 @@ class FusedLossCausalLMForward(PatchedForward):
         outputs, hidden = self._backbone(args, kwargs)
         h, weight = self._flat_hidden(hidden, weight)
         self._warn_if_all_ignored(stats)
-        with scratch_pool(*self._idle_graph_pool()):
+        with scratch_pool(*self._idle_graph_pool(h.device)):
             loss = fused_linear_cross_entropy(
                 h, weight, y, bias, ignore_index=IGNORE_INDEX, num_items_in_batch=num_items_in_batch,
                 label_smoothing=self.label_smoothing, softcap=self.extras.softcap,
@@ -284,13 +284,15 @@ class FusedLossCausalLMForward(PatchedForward):
                            "FastPatchCallback to serve them with fasttune's kernel.")
         return False
 
-    def _idle_graph_pool(self) -> tuple:
+    def _idle_graph_pool(self, device: torch.device) -> tuple:
         """(pool, stream) of the CUDA graphs the model's checkpointed layers replay (``checkpoint_forward_graphs``),
         idle while the head runs: the head's workspace (~0.3 GiB of logits per chunk) takes the pool's free
-        blocks instead of adding to the main pool's peak (``kernels/scratch_pool.py``). (None, None) without."""
+        blocks instead of adding to the main pool's peak (``kernels/scratch_pool.py``). (None, None) without, or
+        where the head computes on another device than the layers' graphs (a model split over GPUs)."""
         state = layer_checkpointing(self.module)
         graphs = None if state is None else state.graphs
-        return (None, None) if graphs is None else graphs.scratch
+        pool, stream = (None, None) if graphs is None else graphs.scratch
+        return (pool, stream) if stream is not None and stream.device == device else (None, None)
 
     def _trl_fused(self, args, kwargs, labels, shift_labels, num_items_in_batch, params):
         settings = self.trl_settings or TrlHeadSettings()
@@ -301,7 +303,7 @@ class FusedLossCausalLMForward(PatchedForward):
         h, y, weight, shape = self._flat_inputs(hidden, labels, shift_labels, weight, fp32=settings.fp32_head)
         if bias is not None:
             bias = bias.to(weight.dtype)
-        with scratch_pool(*self._idle_graph_pool()):
+        with scratch_pool(*self._idle_graph_pool(h.device)):
             fields = fused_lm_head_fields(h, y, weight, bias, settings, softcap=self.extras.trl_softcap,
                                           logit_scale=self.extras.logit_scale, workspace_mib=self.workspace_mib)
         # TRL's per-token fields cover the seq-1 predicted positions (the padded last one is dropped).

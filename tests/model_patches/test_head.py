@@ -228,3 +228,24 @@ def test_other_index_errors_pass_through_unchanged():
     with pytest.raises(IndexError) as info:
         model(**batch)
     assert "input_ids" not in str(info.value)
+
+
+def test_head_workspace_takes_the_layers_graph_pool_only_on_its_device():
+    """With CUDA graphs of the checkpointed layers, the head's workspace goes to their idle pool
+    (``_idle_graph_pool``; the CUDA run: test_forward_graphs.py); without graphs, or where the head runs on
+    another device than the graphs' stream (a model split over GPUs), nowhere but the main pool."""
+    from types import SimpleNamespace
+
+    from fasttune.model_patches.checkpointing import layer_checkpointing
+
+    model = tiny_model("llama", dtype=torch.float32, seed=0)
+    patch_model(model, FastConfig(checkpointing="offload"))
+    head, state = head_forward(model), layer_checkpointing(model)
+    assert state.graphs is None and head._idle_graph_pool(torch.device("cuda", 0)) == (None, None)
+    pool, stream = object(), SimpleNamespace(device=torch.device("cuda", 0))
+    state.graphs = SimpleNamespace(scratch=(pool, stream))
+    assert head._idle_graph_pool(torch.device("cuda", 0)) == (pool, stream)
+    assert head._idle_graph_pool(torch.device("cuda", 1)) == (None, None)
+    assert head._idle_graph_pool(torch.device("cpu")) == (None, None)
+    state.graphs = SimpleNamespace(scratch=(None, None))  # nothing captured yet
+    assert head._idle_graph_pool(torch.device("cuda", 0)) == (None, None)
