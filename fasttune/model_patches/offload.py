@@ -7,8 +7,14 @@ moves that one tensor off the GPU:
 
 - ``pack(t)`` (forward): copy ``t`` into a pooled host buffer on a side CUDA stream
   (``non_blocking``, the side stream first waits for the compute stream; an event marks the end of
-  the copy; ``t.record_stream(side)`` so the caching allocator does not hand ``t``'s memory to
-  someone else before the copy has read it). The compute stream never waits.
+  the copy). ``t``'s memory must not be handed to someone else before the copy has read it:
+  - a layer input (the chain, ``keep_last``) is held as ``on_device`` until the next ``pack`` or
+    its ``unpack``; only there is it let go, and the compute stream first waits for the copy's
+    event. Its block is then free in the compute stream's order at once. (``record_stream`` would
+    keep it until the host sees the copy done: with the host a step ahead of the GPU, every layer's
+    input of that step piled up in the reserve.)
+  - other tensors: ``t.record_stream(side)``.
+  The wait costs nothing in practice: the copy ends long before the layer it overlaps.
 - ``unpack(p)`` (backward, when the checkpointed layer i starts recomputing): hand back the GPU
   copy (the compute stream waits on the copy's event), then start bringing back the input of the
   layer packed before it (layer i-1) on the side stream, so that copy overlaps layer i's recompute
@@ -142,11 +148,14 @@ class OffloadedTensor:
         on_device: a device tensor ready to hand out (the original, or a fetched copy), else None.
         fetched: ``on_device`` is a fetched copy (not the original).
         ready: CUDA event recorded after the copy that filled ``on_device`` (None: nothing to wait for).
+        copied: CUDA event recorded after the copy out of the original, when ``on_device`` holds the
+            original without ``record_stream``: ``home`` (the stream its block serves) waits for it
+            before the original is let go (``release_original``).
         prev: weak reference to the tensor packed just before this one (the layer below).
     """
 
-    __slots__ = ("shape", "dtype", "device", "host", "on_device", "fetched", "ready", "compute", "prev", "_flat",
-                 "_pool", "_device_key", "__weakref__")
+    __slots__ = ("shape", "dtype", "device", "host", "on_device", "fetched", "ready", "compute", "copied", "home",
+                 "prev", "_flat", "_pool", "_device_key", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, flat: torch.Tensor, pool: HostBufferPool, device_key):
         self.shape = tensor.shape
@@ -160,9 +169,26 @@ class OffloadedTensor:
         self.fetched = False
         self.ready = None
         self.compute = None  # the stream a fetched copy was allocated for (it must see the copy finish)
+        self.copied = self.home = None
         self.prev = None
 
+    def release_original(self) -> torch.Tensor | None:
+        """Let go of the device original held as ``on_device`` (None when it holds a fetched copy or
+        nothing) and return it. Its block serves ``home`` again in stream order, so ``home`` first waits for
+        the copy out of it: from here on the caller may drop the last reference."""
+        original = None if self.fetched else self.on_device
+        if original is not None:
+            self.on_device = None
+            if self.copied is not None:
+                self.home.wait_event(self.copied)
+        self.copied = self.home = None
+        return original
+
     def __del__(self):
+        try:
+            self.release_original()  # an original still held (a backward that never came)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
         ready, on_device = getattr(self, "ready", None), getattr(self, "on_device", None)
         if ready is not None and on_device is not None and self.compute is not None:
             # A fetched copy dropped unused (an abandoned backward): its block goes back to the compute
@@ -235,13 +261,13 @@ class OffloadedCheckpointer:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         tensor = tensor.detach()
-        (packed,) = self._copy_out([tensor])
+        held = chain and self.keep_last
+        (packed,) = self._copy_out([tensor], held=held)
         if not chain:
             return packed
         last = self._last() if self._last is not None else None
         if last is not None:
-            if not last.fetched:
-                last.on_device = None  # only the newest original stays on the device (a prefetched copy stays)
+            last.release_original()  # only the newest original stays on the device (a prefetched copy stays)
             packed.prev = self._last
         if self.keep_last:
             packed.on_device = tensor
@@ -254,8 +280,11 @@ class OffloadedCheckpointer:
         core: a switch per copy costs host time in a forward that is close to host-bound)."""
         return self._copy_out([t.detach() for t in tensors])
 
-    def _copy_out(self, tensors: list[torch.Tensor]) -> list[OffloadedTensor]:
-        """Start the device-to-host copies of ``tensors`` (detached, one device) into pooled buffers."""
+    def _copy_out(self, tensors: list[torch.Tensor], held: bool = False) -> list[OffloadedTensor]:
+        """Start the device-to-host copies of ``tensors`` (detached, one device) into pooled buffers.
+
+        ``held``: the caller keeps each original as ``on_device`` and lets it go only through
+        ``release_original`` (stream-ordered reuse); else the originals are ``record_stream``'d."""
         if not tensors:
             return []
         device = tensors[0].device
@@ -270,8 +299,14 @@ class OffloadedCheckpointer:
             with torch.cuda.stream(side):
                 for p, t in zip(packed, tensors):
                     p.host.copy_(t, non_blocking=True)
-            for t in tensors:
-                t.record_stream(side)  # its memory is not reused before the copy has read it
+                copied = torch.cuda.Event() if held else None
+                if held:
+                    copied.record(side)
+            for p, t in zip(packed, tensors):
+                if held:
+                    p.copied, p.home = copied, torch.cuda.current_stream(device)
+                else:
+                    t.record_stream(side)  # its memory is not reused before the copy has read it
         else:
             for p, t in zip(packed, tensors):
                 p.host.copy_(t)
@@ -293,6 +328,7 @@ class OffloadedCheckpointer:
             self.stats.prefetch_hits += 1
         else:
             self.stats.kept_on_device += 1
+            packed.on_device = packed.release_original()  # handed out: the caller may drop the last reference
         tensor, ready, compute = packed.on_device, packed.ready, packed.compute
         packed.on_device = packed.ready = packed.compute = None  # the caller owns it now; no device memory here
         packed.fetched = False

@@ -217,6 +217,42 @@ def test_cuda_a_prefetched_copy_dropped_unused_is_waited_for():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("let_go_by", ["next pack", "unpack"])
+def test_cuda_a_held_original_serves_the_compute_stream_at_once_and_after_its_copy(let_go_by):
+    """A layer input held as the newest original goes back to the compute stream's pool as soon as it is let
+    go (no ``record_stream``, which would keep its block until the host sees the copy done), and compute work
+    that takes its block is ordered after the copy out of it, however late the side stream runs."""
+    ck = OffloadedCheckpointer()
+    shape = (1000, 1037)  # an odd size: no other free block of it
+    ck.unpack(ck.pack(torch.zeros(shape, device="cuda")))  # pins the pool's buffer first (pinning can wait)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    other = torch.randn(shape, device="cuda")
+    x = torch.randn(shape, device="cuda")
+    expect, ptr = x.cpu(), x.data_ptr()
+    with torch.cuda.stream(ck.side_stream(x.device)):
+        torch.cuda._sleep(200_000_000)  # the copy out of x runs late: a reuse not ordered after it would win
+    packed = ck.pack(x)
+    assert packed.on_device is not None and not packed.fetched
+    if let_go_by == "next pack":
+        nxt = ck.pack(other)  # lets x's original go
+        assert packed.on_device is None
+    else:
+        assert ck.unpack(packed).data_ptr() == ptr  # the original handed out (and dropped at once)
+    del x
+    gc.collect()
+    reuse = torch.empty(shape, device="cuda")
+    assert reuse.data_ptr() == ptr, "the let-go original's block was not free for the compute stream"
+    reuse.fill_(float("nan"))
+    torch.cuda.synchronize()
+    assert torch.equal(packed.host, expect), "the block was reused before the copy out of it"
+    if let_go_by == "next pack":
+        assert torch.equal(ck.unpack(nxt), other)
+        assert torch.equal(ck.unpack(packed).cpu(), expect)
+
+
+@pytest.mark.gpu
 def test_cuda_pool_no_growth_and_no_leak_over_steps():
     ck = OffloadedCheckpointer()
     gc.collect()  # earlier tests' garbage would otherwise be freed inside the loop, below the baseline
