@@ -133,7 +133,8 @@ class FastConfig:
                 "layers on an H200: 119.9 -> 97.5 ms/step where the host could not keep up, 102.0 -> 97.3 where it "
                 "could. Costs one layer's forward working set, kept reserved in the graphs' memory pool (0.67 GiB "
                 "there), which the experts' backward reuses for its temporaries (+0.34-0.47 GiB reserved in all: "
-                "14.06-14.19 GiB against 13.72 eager and Unsloth's 13.99-14.15). "
+                "14.06-14.19 GiB against 13.72 eager and Unsloth's 13.99-14.15, measured before the offloaded layer "
+                "inputs left in stream order). "
                 "Layers with dropout in training, or that record router logits for transformers, stay "
                 "eager (logged); a new input layout or adapter switch is captured anew."})
     checkpoint_backward_graphs: bool = field(default=False, metadata={
@@ -145,8 +146,8 @@ class FastConfig:
                 "gradient hooks, that record router logits (output_router_logits=True) or run dropout in "
                 "training stay eager (logged). An 8B dense step on an H200 whose host kept up ran no faster "
                 "(benchmarks/RESULTS.md): for hosts that cannot launch a step as fast as the GPU runs it. 8 "
-                "Qwen3-30B-A3B layers at 4x2048 on an H100: 14.02 GiB reserved, Unsloth 14.15 and 1.21x slower "
-                "in the same invocation."})
+                "Qwen3-30B-A3B layers at 4x2048 on an H100: 13.86 GiB reserved in each of three rounds, Unsloth "
+                "14.03-14.07 and 1.22x slower in the same invocation (no graphs: 13.54 GiB, 1.19x)."})
     cuda_expandable_segments: bool = field(default=True, metadata={
         "help": "Switch torch's CUDA caching allocator to expandable segments when a model is patched on a "
                 "machine with CUDA (process-wide, for allocations from then on; undone by unpatch_model): "
