@@ -64,6 +64,21 @@ def test_keep_last_keeps_only_the_newest_original(device):
     assert pb.prev() is pa and pa.prev is None
 
 
+def test_release_original_lets_go_of_an_original_only(device):
+    """The one place a held layer input is let go (with CUDA, after the compute stream waits for its copy):
+    it hands back the original once; a fetched copy is not an original and stays."""
+    ck = OffloadedCheckpointer()
+    a, b = _rand((3, 5), torch.float32, device, 5), _rand((3, 5), torch.float32, device, 6)
+    pa = ck.pack(a)
+    original = pa.release_original()
+    assert original is not None and original.data_ptr() == a.data_ptr() and pa.on_device is None
+    assert pa.release_original() is None and pa.copied is None and pa.home is None
+    pb = ck.pack(b)
+    ck.unpack(pb)  # kept original handed out; fetches pa ahead
+    assert pa.fetched and pa.release_original() is None and pa.on_device is not None
+    assert torch.equal(ck.unpack(pa), a)
+
+
 def test_prefetch_chain_brings_back_the_layer_below(device):
     ck = OffloadedCheckpointer()
     xs = [_rand((4, 9, 16), torch.float32, device, s) for s in range(4)]
