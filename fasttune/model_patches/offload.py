@@ -303,7 +303,7 @@ class OffloadedCheckpointer:
                 if held:
                     copied.record(side)
             for p, t in zip(packed, tensors):
-                if held:
+                if held:  # home: the stream the forward runs on, whose pool the input's block is in
                     p.copied, p.home = copied, torch.cuda.current_stream(device)
                 else:
                     t.record_stream(side)  # its memory is not reused before the copy has read it
