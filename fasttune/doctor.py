@@ -34,7 +34,9 @@ _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 _TINY_EXTRA = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3_text": dict(query_pre_attn_scalar=16),
                "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
-               "olmo2": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
+               "olmo2": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               "smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               "glm4": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:

@@ -133,8 +133,25 @@ def _arch_for(cfg_dict: dict[str, Any]) -> str:
             "and once with --mmproj.")
     if spec.gguf_arch not in gguf_arch.ARCHS:
         raise ValueError(f"GGUF export of {cfg_dict.get('model_type')!r} (llama.cpp arch {spec.gguf_arch!r}) is not "
-                         f"implemented; GGUF arches with converter rules: {sorted(gguf_arch.ARCHS)}")
+                         f"implemented; GGUF arches with converter rules: {sorted(gguf_arch.ARCHS)}. Save the "
+                         "merged 16-bit model (save_merged) and convert it with llama.cpp's convert_hf_to_gguf.py.")
     return spec.gguf_arch
+
+
+def gguf_refusal(config) -> str | None:
+    """Why ``save_gguf`` would refuse a model of this transformers ``config`` before writing anything
+    (family, architecture, config values llama.cpp cannot run), or None. The tokenizer and the weights
+    are checked by ``save_gguf`` itself."""
+    cfg = config.to_dict()
+    cfg.setdefault("model_type", getattr(config, "model_type", None))
+    try:
+        arch = _arch_for(cfg)
+        spec = _family(cfg)
+        if spec.vision is None:
+            gguf_arch.check_config(arch, cfg, False)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry], approximate_yarn: bool = False) -> list[_Tensor]:

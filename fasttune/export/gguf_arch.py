@@ -3,10 +3,13 @@
 Keyed by the GGUF arch name (``FamilySpec.gguf_arch`` in ``model_patches/families.py``). Learned
 from llama.cpp's converter and loader (``src/models/<arch>.cpp``), not copied from them:
 
-- q/k row permutation: llama.cpp's "llama" and "granite" graphs apply RoPE to adjacent pairs
-  (``LLAMA_ROPE_TYPE_NORM``) while HF rotates halves; the rows of each q/k head are reordered
-  from [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}] to interleaved pairs. Every other arch here (qwen2,
-  qwen3, gemma*, phi3, olmo2) runs NEOX-style RoPE on the HF layout: no permutation.
+- q/k row permutation: llama.cpp's "llama", "granite" and "smollm3" graphs apply RoPE to adjacent
+  pairs (``LLAMA_ROPE_TYPE_NORM``) while HF rotates halves; the rows of each q/k head are reordered
+  from [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}] to interleaved pairs. qwen2, qwen3, gemma*, phi3 and
+  olmo2 run NEOX-style RoPE on the HF layout, and glm4 / ernie4_5 rotate adjacent pairs in HF as in
+  llama.cpp: no permutation.
+- smollm3: llama.cpp skips RoPE in every fourth layer (il + 1 ≡ 0 mod 4) and reads no layer list, so
+  a config whose ``no_rope_layers`` says otherwise is refused.
 - Gemma RMSNorms scale by (1 + w); llama.cpp multiplies by the stored weight, so 1 is added to
   every ``*norm.weight`` (q/k norms included for Gemma 3).
 - gemma/gemma2 always read the output projection from ``token_embd`` (tied); olmo2 requires an
@@ -199,12 +202,29 @@ def _meta_granitemoe(w, cfg):
     moe.meta_experts(w, cfg)
 
 
+SMOLLM3_NOPE_STEP = 4  # llama.cpp's SmolLM3 graph: no RoPE in layers il with (il + 1) % 4 == 0
+
+
+def _check_smollm3(cfg: dict[str, Any]) -> None:
+    layers = cfg["num_hidden_layers"]
+    want = [int((il + 1) % SMOLLM3_NOPE_STEP != 0) for il in range(layers)]
+    got = [int(bool(x)) for x in (cfg.get("no_rope_layers") or [1] * layers)]
+    if got != want:
+        raise ValueError(f"smollm3 GGUF: llama.cpp applies RoPE to layers {want} (1 = RoPE: every "
+                         f"{SMOLLM3_NOPE_STEP}th layer without), this config's no_rope_layers is {got}")
+
+
 def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False) -> None:
     """ValueError for a config the arch's llama.cpp graph cannot represent (before any tensor is read).
 
     ggml's YaRN always rounds the correction range outwards (floor/ceil: transformers'
     ``truncate=True``); a config with ``truncate=False`` (gpt-oss) gets other frequencies on the
     dimensions inside that range, so it is refused unless ``approximate_yarn`` accepts the difference."""
+    if arch == "smollm3":
+        _check_smollm3(cfg)
+    if arch == "ernie4_5" and cfg.get("use_bias"):
+        raise ValueError("ernie4_5 GGUF: llama.cpp's ERNIE 4.5 graph has no projection biases (use_bias=True; "
+                         "the released ERNIE 4.5 models have none)")
     rope = rope_settings(cfg)
     if str(rope.get("rope_type") or "").lower() == "yarn" and rope.get("truncate") is False:
         if not approximate_yarn:
@@ -253,7 +273,10 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma2": ArchSpec("gemma2", norm_shift=1.0, output="never", metadata=_meta_gemma2),
     "gemma3": ArchSpec("gemma3", norm_shift=1.0, metadata=_meta_gemma3),
     "phi3": ArchSpec("phi3", metadata=_meta_phi3),
-    "olmo2": ArchSpec("olmo2", output="required", metadata=_meta_olmo2),
+    "olmo2": ArchSpec("olmo2", output="required", metadata=_meta_olmo2),  # OLMo 3 too (its sliding layers)
+    "smollm3": ArchSpec("smollm3", permute_qk=True),
+    "glm4": ArchSpec("glm4"),  # post-attention / post-MLP norms, fused gate_up, partial interleaved RoPE
+    "ernie4_5": ArchSpec("ernie4_5"),
 }
 
 

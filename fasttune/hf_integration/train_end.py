@@ -10,6 +10,7 @@ from ..export.artifacts import export_artifacts, hub_id_or_none
 from ..export.base_license import find_base_license
 from ..export.card_facts import NO_HUB_ID, facts_from_trainer
 from ..export.cards import card_repos, run_stats_from_state, write_cards
+from ..export.gguf import gguf_refusal
 from ..export.hub import push_to_hub
 from ..export.merged_weights import unwrap_model
 
@@ -24,6 +25,24 @@ def _facts(trainer, model, fast_config):
                 else f"not recorded, so {NO_HUB_ID}")
     return facts_from_trainer(trainer, base_model_id, note, find_base_license(base_model_id, local),
                               run_stats_from_state(trainer.state))
+
+
+def check_export_before_training(model, fast_config) -> None:
+    """Refuse at the start what the end-of-``train()`` export would refuse after the training: a GGUF
+    artifact (in ``export_artifacts``, or in ``push_artifacts`` with ``push_to_hub``) of a model whose
+    family or config fasttune cannot write as GGUF.
+
+    Raises:
+        ValueError: naming the argument and why.
+    """
+    wanted = set(fast_config.export_artifacts) | (set(fast_config.push_artifacts) if fast_config.push_to_hub else set())
+    if "gguf" not in wanted:
+        return
+    why = gguf_refusal(unwrap_model(model).config)
+    if why is not None:
+        where = "export_artifacts" if "gguf" in fast_config.export_artifacts else "push_artifacts"
+        raise ValueError(f"fast_config.{where} asks for a GGUF artifact, which would fail after training: {why.rstrip('.')}. "
+                         f"Leave 'gguf' out of {where}.")
 
 
 def export_after_training(trainer, fast_config) -> dict[str, Any] | None:

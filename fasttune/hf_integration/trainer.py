@@ -13,7 +13,7 @@ from ..model_patches.head import head_forward
 from .call_counts import CallCounts
 from .distributed import DistributedHeadCallback, gathered_weights, release_fsdp_checkpointing, set_ddp_defaults
 from .throughput import ThroughputMeter
-from .train_end import export_after_training
+from .train_end import check_export_before_training, export_after_training
 
 logger = logging.getLogger("fasttune")
 
@@ -31,6 +31,7 @@ class FastTrainerMixin:
         set_ddp_defaults(training_args, self.fast_config)  # before the Trainer builds its DDP kwargs
 
     def _fast_after_init(self) -> None:
+        check_export_before_training(self.model, self.fast_config)  # not after hours of training
         self.patch_report = patch_model(self.model, self.fast_config)  # logged there, once per model
         head = head_forward(find_causal_lm(self.model))
         if head is not None and getattr(self, "label_smoother", None) is not None:

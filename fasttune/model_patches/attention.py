@@ -1,8 +1,10 @@
 """Self-attention modules with Q/K rotated by the Triton RoPE kernel, and the fused-LoRA hook points.
 
-One forward for all ten families, driven by the family's row: the projections (separate
+One forward for every dense family of the table, driven by the family's row: the projections (separate
 q/k/v or Phi-3's fused ``qkv_proj``), the optional q/k norm ("head": over each head, Qwen3 /
-Gemma 3; "full": over the whole projection, OLMo2), RoPE, the KV-cache update, the attention
+Gemma 3; "full": over the whole projection, OLMo2), RoPE (skipped in a layer whose ``rope_flag``
+attribute is false, SmolLM3's NoPE layers; the family's own rotation where its pairs are
+interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the attention
 function transformers selects for ``config._attn_implementation`` (eager: the family's own
 ``eager_attention_forward``, so Gemma 2's soft-cap stays), and the output projection. The
 extra keyword arguments a family passes to the attention function (sliding window, soft-cap)
@@ -107,6 +109,7 @@ class FastAttentionForward(PatchedForward):
         self.functions = functions
         self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
         self.half_cos = spec.rope_half_cos
+        self.rope_flag = spec.rope_flag  # SmolLM3: a NoPE layer's module says use_rope = 0
 
     def _rope(self, q, k, cos, sin):
         if self.use_rope_kernel and self.half_cos:  # gpt-oss: [cos | cos] is the same rotation, in our layout
@@ -178,8 +181,9 @@ class FastAttentionForward(PatchedForward):
             q, k = m.q_norm(q), m.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-        cos, sin = position_embeddings
-        q, k = self._rope(q, k, cos, sin)
+        if self.rope_flag is None or getattr(m, self.rope_flag):
+            cos, sin = position_embeddings
+            q, k = self._rope(q, k, cos, sin)
 
         if cache is not None:
             if self.cache_kwargs:
@@ -320,6 +324,8 @@ def check_attention(module: nn.Module, spec: FamilySpec, use_rope_kernel: bool =
         return "q_norm without k_norm (or the reverse)"
     if spec.qk_norm in ("head", "full") and not (hasattr(module, "q_norm") and hasattr(module, "k_norm")):
         return f"the family row expects q_norm/k_norm ({spec.qk_norm}) and the module has none"
+    if spec.rope_flag is not None and not hasattr(module, spec.rope_flag):
+        return f"no `{spec.rope_flag}` attribute (whether this layer applies RoPE)"
     for name, source in spec.attention_kwargs:
         where, attr = source.split(":", 1)
         if where == "module" and not hasattr(module, attr):
@@ -351,12 +357,20 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
     """
     if not (config.rope or config.lora):
         return
-    op = OP_ROPE if config.rope else OP_HOOK
+    # Interleaved rotary pairs (GLM-4, ERNIE 4.5) are not the kernel's layout: the family's own rotation
+    # runs inside the installed forward, which still carries the fused-LoRA hooks.
+    rope_kernel = config.rope and spec.rope_layout == "halves"
+    if config.rope and not rope_kernel:
+        report.fallback(OP_ROPE, spec.model_type, f"{spec.rope_layout} rotary layout: the family's own "
+                        "apply_rotary_pos_emb rotates q/k")
+        if not config.lora:
+            return
+    op = OP_ROPE if rope_kernel else OP_HOOK
     attn_cls = family_class(spec, classes, "attention_class", op, report)
     if attn_cls is None:
         return
     eager, stock_rope, functions = _family_functions(spec)
-    if eager is None or (stock_rope is None and not config.rope):
+    if eager is None or (stock_rope is None and not rope_kernel):
         report.fallback(op, spec.model_type, f"{spec.modeling_module} has no eager_attention_forward / "
                         "apply_rotary_pos_emb in this transformers version")
         return
@@ -370,16 +384,16 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
                                 f"is {type(child).__name__}, not {spec.attention_class}")
         if type(module) is not attn_cls:
             continue
-        reason = check_attention(module, spec, use_rope_kernel=config.rope)
+        reason = check_attention(module, spec, use_rope_kernel=rope_kernel)
         if reason is not None:
             report.fallback(op, name, reason)
             continue
         stock = stock_forward(module)
         cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
         fwd = FastAttentionForward(module, stock, spec, eager=eager, stock_rope=stock_rope, functions=functions,
-                                   cache_kwargs=cache_kwargs, use_rope_kernel=config.rope, flex_sinks=flex_sinks)
+                                   cache_kwargs=cache_kwargs, use_rope_kernel=rope_kernel, flex_sinks=flex_sinks)
         swap_forward(module, fwd, report)
-        report.add(op, counted=config.rope)  # the LoRA hook points alone run no kernel of their own
+        report.add(op, counted=rope_kernel)  # the LoRA hook points alone run no kernel of their own
         if flex_sinks:
             report.add(OP_SINKS, counted=True)
 

@@ -85,6 +85,10 @@ class FamilySpec:
         experts_bias: the expert projections carry biases ``gate_up_proj_bias``/``down_proj_bias``.
         rope_half_cos: the rotary tables hold half the rotary width (gpt-oss); the kernel gets them
             repeated, [cos | cos], which is the same rotation.
+        rope_layout: "halves" (HF's rotate_half: the RoPE kernel's layout) or "interleaved" (adjacent
+            pairs, GLM-4 / ERNIE 4.5): those keep the family's own ``apply_rotary_pos_emb``, reported.
+        rope_flag: attribute of the attention module saying whether this layer rotates q/k at all
+            (SmolLM3's NoPE layers: ``use_rope``), or None where every layer does.
         vision: the towers of a vision-language model (``causal_lm_class`` is then its
             ``*ForConditionalGeneration``); None for a text-only family.
     """
@@ -115,6 +119,8 @@ class FamilySpec:
     experts_transposed: bool = False
     experts_bias: bool = False
     rope_half_cos: bool = False
+    rope_layout: str = "halves"
+    rope_flag: str | None = None
     vision: VisionLayout | None = None
 
 
@@ -170,6 +176,20 @@ GRANITE = _row(LLAMA, "granite", "Granite", logit_divisor_attr="logits_scaling",
                gguf_arch="granite")
 OLMO2 = _row(LLAMA, "olmo2", "Olmo2", qk_norm="full", norm_casting="gemma", mlp_output_saved=True,
              pre_norm_layer=False, gguf_arch="olmo2")
+# Families whose forward is one of the above with a difference the row states. OLMo 3 is llama.cpp's
+# olmo2 with sliding layers. Ministral's sliding layers have no llama.cpp arch that fasttune checked, so
+# its gguf_arch (absent from export/gguf_arch.ARCHS) makes save_gguf refuse it with the reason.
+OLMO3 = _row(OLMO2, "olmo3", "Olmo3", attention_kwargs=(("sliding_window", "module:sliding_window"),),
+             gguf_arch="olmo2")
+MINISTRAL = _row(MISTRAL, "ministral", "Ministral", attention_kwargs=(("sliding_window", "module:sliding_window"),),
+                 gguf_arch="ministral")
+SMOLLM3 = _row(LLAMA, "smollm3", "SmolLM3", attention_kwargs=(("sliding_window", "module:sliding_window"),),
+               rope_flag="use_rope", gguf_arch="smollm3")
+# GLM-4 (dense): norms after the attention and the MLP too (post_self_attn_layernorm, post_mlp_layernorm),
+# Phi-3's fused gate_up_proj, partial interleaved rotary. ERNIE 4.5: Llama's layer, interleaved rotary.
+GLM4 = _row(LLAMA, "glm4", "Glm4", mlp_layout="fused", rope_layout="interleaved", pre_norm_layer=False,
+            mlp_output_saved=True, gguf_arch="glm4")
+ERNIE4_5 = _row(LLAMA, "ernie4_5", "Ernie4_5", rope_layout="interleaved", gguf_arch="ernie4_5")
 
 # Mixtures of experts: the dense row of the same attention, plus the MoE block and its experts.
 # Qwen3-MoE keeps dense MLP layers where config.mlp_only_layers says so; the others are MoE only.
@@ -207,6 +227,7 @@ GEMMA3 = _row(GEMMA3_TEXT, "gemma3", "Gemma3", causal_lm_class="Gemma3ForConditi
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
+                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5,
                  QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 

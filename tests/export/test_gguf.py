@@ -19,7 +19,7 @@ import gguf
 from fasttune.export import gguf as ft_gguf
 from fasttune.export.gguf import save_gguf
 from fasttune.export.merged import save_merged
-from helpers.gguf_models import ARCH, DIMS, FAMILIES, SP_FAMILIES, TIED, gguf_model, gguf_tokenizer
+from helpers.gguf_models import ARCH, DIMS, FAMILIES, ROTARY, SP_FAMILIES, TIED, gguf_model, gguf_tokenizer
 from helpers.tiny_tokenizers import sp_model_bytes, sp_tokenizer
 
 try:
@@ -87,6 +87,7 @@ def _expected_tensors(family, model):
         "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
         "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2") else "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+        "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
     }
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + shift}
     if family not in TIED:
@@ -99,7 +100,7 @@ def _expected_tensors(family, model):
         _, _, layer, rest = key.split(".", 3)
         module, kind = rest.rsplit(".", 1)
         value = value + shift if "norm" in module else value
-        if arch in ("llama", "granite") and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        if arch in ("llama", "granite", "smollm3") and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = DIMS["num_attention_heads"] if "q_proj" in module else DIMS["num_key_value_heads"]
             value = _interleave_rows(value, heads)
         out[f"blk.{layer}.{per_layer[module]}.{kind}"] = value
@@ -120,7 +121,7 @@ def test_gguf_reader_names_shapes_metadata_values(family, exported):
         assert _field(reader, f"{arch}.attention.head_count") == DIMS["num_attention_heads"]
         assert _field(reader, f"{arch}.attention.head_count_kv") == DIMS["num_key_value_heads"]
         assert _field(reader, f"{arch}.context_length") == DIMS["max_position_embeddings"]
-        assert _field(reader, f"{arch}.rope.dimension_count") == DIMS["head_dim"]
+        assert _field(reader, f"{arch}.rope.dimension_count") == int(DIMS["head_dim"] * ROTARY.get(family, 1.0))
         assert _field(reader, f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
         assert _field(reader, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
         assert _field(reader, "tokenizer.ggml.model") == ("llama" if family in SP_FAMILIES else "gpt2")
@@ -318,3 +319,32 @@ def test_bad_inputs(exported, tmp_path):
         untied.lm_head.weight.normal_()
     with pytest.raises(ValueError, match="separate lm_head"):
         save_gguf(untied, _tokenizer("sp"), tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["ministral"])
+def test_families_without_converter_rules_are_refused_before_anything_is_written(model_type, tmp_path):
+    """Trained on the fast path, but their GGUF layout was never checked in llama.cpp: refused with
+    the way out, and nothing is written."""
+    from helpers.tiny_models import tiny_model
+
+    model = tiny_model(model_type)
+    assert ft_gguf.gguf_refusal(model.config) is not None
+    with pytest.raises(ValueError, match=rf"GGUF export of '{model_type}'.*not implemented.*save_merged"):
+        save_gguf(model, _tokenizer("bpe"), tmp_path / "out")
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    assert ft_gguf.gguf_refusal(tiny_model("llama").config) is None
+
+
+def test_smollm3_nope_layers_llama_cpp_cannot_run_are_refused(tmp_path):
+    """llama.cpp skips RoPE in every fourth layer whatever the config says: another pattern is refused."""
+    odd = gguf_model("smollm3", no_rope_layers=[1, 0])  # the second layer NoPE: llama.cpp would rotate it
+    assert "no_rope_layers is [1, 0]" in ft_gguf.gguf_refusal(odd.base_model.model.config)
+    with pytest.raises(ValueError, match=r"smollm3 GGUF: llama.cpp applies RoPE to layers \[1, 1\]"):
+        save_gguf(odd, gguf_tokenizer("bpe"), tmp_path / "out")
+    assert ft_gguf.gguf_refusal(gguf_model("smollm3").base_model.model.config) is None
+
+
+def test_ernie4_5_projection_biases_llama_cpp_cannot_run_are_refused(tmp_path):
+    biased = gguf_model("ernie4_5", use_bias=True)  # fasttune trains it (tiny_models); llama.cpp has no biases
+    with pytest.raises(ValueError, match="ernie4_5 GGUF: llama.cpp's ERNIE 4.5 graph has no projection biases"):
+        save_gguf(biased, gguf_tokenizer("bpe"), tmp_path / "out")

@@ -22,7 +22,8 @@ import gguf
 from fasttune import embedded
 from fasttune.export.gguf import K_QUANTS, PY_QUANTS, save_gguf
 from fasttune.export.gguf_moe_arch import gguf_tensor_name, name_map_key
-from helpers.gguf_models import ARCH, FAMILIES, MOE, family_tokenizer, gguf_model, gguf_moe_model
+from helpers.gguf_models import (ARCH, FAMILIES, MOE, SMOLLM3_NOPE, family_tokenizer, gguf_model,
+                                 gguf_moe_model)
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF section)")
 
@@ -88,7 +89,7 @@ class Reference:
                 if value is None:
                     value = tensors[gguf_tensor_name(names.get_name(name_map_key(hf_name),
                                                                     try_suffixes=(".weight", ".bias")))]
-                permuted = self.arch in ("llama", "granite", "granitemoe")
+                permuted = self.arch in ("llama", "granite", "granitemoe", "smollm3")
                 if permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                     heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
                     value = _deinterleave_rows(value, heads)
@@ -156,6 +157,12 @@ def test_every_family_loads_in_llama_cpp(family, tmp_path):
     model, tok = gguf_model(family), family_tokenizer(family)
     quants = FAMILY_QUANTS if family != "llama" else PY_QUANTS + K_QUANTS
     _check_all(model, tok, family, save_gguf(model, tok, tmp_path, quants), quants)
+
+
+def test_smollm3_nope_layer_loads_in_llama_cpp(tmp_path):
+    """Four layers, the fourth without RoPE, as llama.cpp's SmolLM3 graph runs them."""
+    model, tok = gguf_model("smollm3", **SMOLLM3_NOPE), family_tokenizer("smollm3")
+    _check_all(model, tok, "smollm3", save_gguf(model, tok, tmp_path, FAMILY_QUANTS), FAMILY_QUANTS)
 
 
 @pytest.mark.parametrize("family", sorted(MOE))

@@ -13,10 +13,12 @@ import torch
 
 from .tiny_tokenizers import bpe_tokenizer, sp_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
-ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # GGUF architecture when it is not the model_type
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
+            "olmo3", "smollm3", "glm4", "ernie4_5")
+ARCH = {"mistral": "llama", "gemma3_text": "gemma3", "olmo3": "olmo2"}  # GGUF architecture when not the model_type
+ROTARY = {"glm4": 0.5}  # partial_rotary_factor where not 1 (GLM-4's config default)
 SP_FAMILIES = {"mistral", "gemma", "gemma2", "gemma3_text"}  # SentencePiece-style vocabularies
-TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"}
+TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3", "ernie4_5"}
 EXTRA = {
     "mistral": dict(sliding_window=None),
     "qwen2": dict(use_sliding_window=False),
@@ -26,7 +28,14 @@ EXTRA = {
     "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
     "olmo2": dict(pad_token_id=0, eos_token_id=2),
+    # OLMo 3: a sliding layer whose window (8) is shorter than the test prompts (16 tokens).
+    "olmo3": dict(pad_token_id=0, eos_token_id=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": dict(pad_token_id=0, no_rope_layers=[1, 1]),  # llama.cpp's NoPE layer is every 4th (SMOLLM3_NOPE)
+    "glm4": dict(pad_token_id=0, attention_bias=True),
+    "ernie4_5": dict(pad_token_id=0),  # no biases: llama.cpp's graph has none (refused, test_gguf.py)
 }
+# SmolLM3 as llama.cpp runs it: four layers, the fourth without RoPE.
+SMOLLM3_NOPE = dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
 DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6)
 

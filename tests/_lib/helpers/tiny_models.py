@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
+FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
+                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5")
+# Families whose q/k rotate in interleaved pairs: their own apply_rotary_pos_emb runs (a "rope" fallback).
+OWN_ROPE_TYPES = ("glm4", "ernie4_5")
 
 # GQA everywhere (4 query heads over 2 KV heads), odd-ish widths, vocab > 65,536 (the kernels'
 # int32/large-vocab paths), two layers so layer stacking is exercised.
@@ -28,6 +31,13 @@ _EXTRA = {
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
                     logits_scaling=4.0),
     "olmo2": dict(pad_token_id=0),
+    # One sliding and one full layer; SmolLM3's second layer is NoPE; GLM-4 rotates half of each head
+    # (partial_rotary_factor 0.5, the config's default) in interleaved pairs, as ERNIE 4.5 does whole.
+    "olmo3": dict(pad_token_id=0, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": dict(pad_token_id=0, no_rope_layers=[1, 0], tie_word_embeddings=True),
+    "glm4": dict(pad_token_id=0, attention_bias=True),
+    "ernie4_5": dict(pad_token_id=0, use_bias=True, tie_word_embeddings=True),
 }
 
 
