@@ -2,7 +2,7 @@
 
 One forward for every dense family of the table, driven by the family's row: the projections (separate
 q/k/v or Phi-3's fused ``qkv_proj``), the optional q/k norm ("head": over each head, Qwen3 /
-Gemma 3; "full": over the whole projection, OLMo2), RoPE (skipped in a layer whose ``rope_flag``
+Gemma 3; "full": over the whole projection, OLMo2), Qwen3.5's per-head output gate, RoPE (skipped in a layer whose ``rope_flag``
 attribute is false, SmolLM3's NoPE layers; the family's own rotation where its pairs are
 interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the attention
 function transformers selects for ``config._attn_implementation`` (eager: the family's own
@@ -110,6 +110,7 @@ class FastAttentionForward(PatchedForward):
         self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
         self.half_cos = spec.rope_half_cos
         self.rope_flag = spec.rope_flag  # SmolLM3: a NoPE layer's module says use_rope = 0
+        self.output_gate = spec.output_gate  # Qwen3.5: q_proj yields [q_h | g_h] per head
 
     def _rope(self, q, k, cos, sin):
         if self.use_rope_kernel and self.half_cos:  # gpt-oss: [cos | cos] is the same rotation, in our layout
@@ -174,6 +175,10 @@ class FastAttentionForward(PatchedForward):
         hidden_shape = (*input_shape, -1, m.head_dim)
 
         q, k, v = self.project_qkv(m, hidden_states)
+        gate = None
+        if self.output_gate:  # as stock: per head, the first head_dim columns are q, the next its gate
+            q, gate = q.view(*input_shape, -1, 2 * m.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
         if self.qk_norm == "full":  # OLMo2: over the whole projection, before the head split
             q, k = m.q_norm(q), m.k_norm(k)
         q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)  # views for stock
@@ -199,7 +204,10 @@ class FastAttentionForward(PatchedForward):
             **self._extra_kwargs(m),
             **kwargs,
         )
-        return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        if gate is not None:
+            attn_output = attn_output * torch.sigmoid(gate)
+        return attn_output, attn_weights
 
     def _interface(self, m, q, attention_mask) -> Callable:
         """The attention function of this call: ``sink_flex_attention`` for a family with sinks on the
@@ -382,6 +390,10 @@ def patch_attention(base: nn.Module, spec: FamilySpec, classes: dict, config: Fa
             if child is not None and type(child) is not attn_cls:
                 report.fallback(op, f"{name}.{ATTENTION_ATTR}",
                                 f"is {type(child).__name__}, not {spec.attention_class}")
+            elif child is None:  # Qwen3.5's linear-attention layers: another token mixer, stock
+                mixers = [type(c).__name__ for n, c in module.named_children() if "attn" in n]
+                report.fallback(op, name, f"no {ATTENTION_ATTR}; its token mixer {', '.join(mixers) or '(none)'} "
+                                "runs stock")
         if type(module) is not attn_cls:
             continue
         reason = check_attention(module, spec, use_rope_kernel=rope_kernel)

@@ -89,6 +89,8 @@ class FamilySpec:
             pairs, GLM-4 / ERNIE 4.5): those keep the family's own ``apply_rotary_pos_emb``, reported.
         rope_flag: attribute of the attention module saying whether this layer rotates q/k at all
             (SmolLM3's NoPE layers: ``use_rope``), or None where every layer does.
+        output_gate: q_proj also yields a gate per head ([q_h | g_h], Qwen3.5's full-attention layers):
+            the attention output is multiplied by sigmoid(g) before o_proj.
         vision: the towers of a vision-language model (``causal_lm_class`` is then its
             ``*ForConditionalGeneration``); None for a text-only family.
     """
@@ -121,6 +123,7 @@ class FamilySpec:
     rope_half_cos: bool = False
     rope_layout: str = "halves"
     rope_flag: str | None = None
+    output_gate: bool = False
     vision: VisionLayout | None = None
 
 
@@ -190,6 +193,12 @@ SMOLLM3 = _row(LLAMA, "smollm3", "SmolLM3", attention_kwargs=(("sliding_window",
 GLM4 = _row(LLAMA, "glm4", "Glm4", mlp_layout="fused", rope_layout="interleaved", pre_norm_layer=False,
             mlp_output_saved=True, gguf_arch="glm4")
 ERNIE4_5 = _row(LLAMA, "ernie4_5", "Ernie4_5", rope_layout="interleaved", gguf_arch="ernie4_5")
+# Qwen3.5 (text): three of every four layers mix tokens with a gated delta rule (linear_attn, stock);
+# the others are Qwen3 attention with a per-head output gate, partial RoPE and (1 + w) norms in fp32.
+# Not pre-norm layers as residual.py runs them (a linear-attention layer calls linear_attn).
+QWEN3_5_TEXT = _row(QWEN3, "qwen3_5_text", "Qwen3_5", modeling_module="transformers.models.qwen3_5.modeling_qwen3_5",
+                    norm_eps_attr="eps", norm_offset=1.0, norm_casting="gemma", attention_kwargs=(),
+                    output_gate=True, pre_norm_layer=False, gguf_arch="qwen35")
 
 # Mixtures of experts: the dense row of the same attention, plus the MoE block and its experts.
 # Qwen3-MoE keeps dense MLP layers where config.mlp_only_layers says so; the others are MoE only.
@@ -227,7 +236,7 @@ GEMMA3 = _row(GEMMA3_TEXT, "gemma3", "Gemma3", causal_lm_class="Gemma3ForConditi
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
-                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5,
+                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, QWEN3_5_TEXT,
                  QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 

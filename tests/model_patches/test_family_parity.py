@@ -23,18 +23,25 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from fasttune import FastConfig, patch_model, unpatch_model
-from helpers.compare import assert_grads_close, rel_err
+from helpers.compare import assert_grads_close, grad_errors, rel_err
 from helpers.spies import model_patch_counts
-from helpers.tiny_models import FAMILY_TYPES, OWN_ROPE_TYPES, make_batch, tiny_model
+from helpers.tiny_models import (FAMILY_TYPES, OWN_ROPE_TYPES, attention_layers, make_batch, stock_fallback_ops,
+                                 tiny_model)
 
 LAYERS = 2  # tiny_models' num_hidden_layers
 # RMSNorm modules per decoder layer (q/k norms included), plus the final norm.
 NORMS_PER_LAYER = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 4, "gemma": 2, "gemma2": 4,
                    "gemma3_text": 6, "phi3": 2, "granite": 2, "olmo2": 4, "olmo3": 4, "ministral": 2, "smollm3": 2,
-                   "glm4": 4, "ernie4_5": 2}
+                   "glm4": 4, "ernie4_5": 2, "qwen3_5_text": 3}  # Qwen3.5: q/k norms in its attention layer only
 # GLM-4 and ERNIE 4.5 rotate interleaved pairs with their own function: their attention carries the
 # LoRA hooks only ("attention_hook"), and the report says why RoPE stays stock.
 OWN_ROPE = set(OWN_ROPE_TYPES)
+# Gradients judged against float64 instead of stock fp32: Qwen3.5's gated delta rule (stock code) sums
+# cancelling terms into its decay parameters' gradients, so stock fp32 is itself 1e-5 to 5e-4 from float64
+# there (3 seeds measured) and any rounding change upstream moves them as much; the fused run must be at
+# least about as close to float64 as stock fp32 is.
+FP64_JUDGED = {"qwen3_5_text": ("linear_attn.dt_bias", "linear_attn.A_log")}
+
 # Every projection of attention and MLP ("all seven" for separate layouts; Phi-3 fuses them into 4).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "qkv_proj", "gate_up_proj"]
@@ -46,12 +53,13 @@ PRE_NORM_LAYERS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "ministral", "
 
 def expected_counts(model_type: str) -> dict[str, int]:
     counts = {"rms_norm": LAYERS * NORMS_PER_LAYER[model_type] + 1,
-              ("attention_hook" if model_type in OWN_ROPE else "rope"): LAYERS, "mlp": LAYERS, "cross_entropy": 1}
+              ("attention_hook" if model_type in OWN_ROPE else "rope"): attention_layers(model_type),
+              "mlp": LAYERS, "cross_entropy": 1}
     return {**counts, "residual_norms": LAYERS} if model_type in PRE_NORM_LAYERS else counts
 
 
 def expected_fallbacks(model_type: str) -> list[str]:
-    return ["rope"] if model_type in OWN_ROPE else []
+    return stock_fallback_ops(model_type)
 
 
 def _step(model, batch, **kw):
@@ -84,7 +92,17 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
     stock.train(), fast.train()
     loss_fast, loss_stock = _step(fast, batch), _step(stock, batch)
     assert rel_err(loss_fast, loss_stock) <= 1e-6
-    assert_grads_close(fast, stock, 1e-5)
+    judged64 = FP64_JUDGED.get(model_type, ())
+    errs = {n: e for n, e in grad_errors(fast, stock).items() if not n.endswith(judged64)}
+    assert errs and max(errs.values()) <= 1e-5, {n: e for n, e in errs.items() if e > 1e-5}
+    if judged64:
+        exact = copy.deepcopy(stock).double()
+        _step(exact, {k: v for k, v in batch.items()})
+        ref = {n: p.grad for n, p in exact.named_parameters() if n.endswith(judged64)}
+        fast_g, stock_g = dict(fast.named_parameters()), dict(stock.named_parameters())
+        for name, g64 in ref.items():
+            err_fast, err_stock = rel_err(fast_g[name].grad, g64), rel_err(stock_g[name].grad, g64)
+            assert err_fast <= 2 * err_stock + 1e-6, (name, err_fast, err_stock)
 
     # Undo: the instance forwards are gone and the outputs are bit-identical to stock again.
     unpatch_model(fast)
@@ -100,7 +118,8 @@ def test_lora_parity(model_type, device):
     stock = _lora(tiny_model(model_type, seed=2).to(device))
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    lora_counts = {"lora_qkv": LAYERS, "lora_o": LAYERS, "lora_mlp": LAYERS}
+    attn = attention_layers(model_type)
+    lora_counts = {"lora_qkv": attn, "lora_o": attn, "lora_mlp": LAYERS}
     assert model_patch_counts(report) == {**expected_counts(model_type), **lora_counts}, str(report)
     assert [f.op for f in report.fallbacks] == expected_fallbacks(model_type), str(report)
     trainable = [n for n, p in fast.named_parameters() if p.requires_grad]
@@ -145,7 +164,7 @@ def test_gradient_accumulation_matches_one_batch(device):
     assert_grads_close(fast, stock, 1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "smollm3", "glm4"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "smollm3", "glm4", "qwen3_5_text"])
 def test_greedy_generation_with_cache_matches_stock(model_type, device):
     stock = tiny_model(model_type, seed=4).to(device)
     fast = copy.deepcopy(stock)
@@ -205,7 +224,7 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
 
 
 @pytest.mark.slow  # 10–30 s each on 2 CPU cores (the interpreter runs ~60 launches per step)
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "glm4"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "glm4", "qwen3_5_text"])
 def test_bf16_training_curve_within_bf16_noise(model_type, device):
     _bf16_curves_agree(model_type, steps=20, device=device)
 

@@ -35,7 +35,7 @@ from fasttune.model_patches.mlp import FastMLPForward
 from fasttune.model_patches import patch_report
 from helpers.compare import assert_grads_close, rel_err
 from helpers.spies import count_fused_lora
-from helpers.tiny_models import FAMILY_TYPES, OWN_ROPE_TYPES, make_batch, tiny_model
+from helpers.tiny_models import FAMILY_TYPES, attention_layers, make_batch, stock_fallback_ops, tiny_model
 
 LAYERS = 2
 VOCAB = 1000
@@ -94,8 +94,9 @@ def spy(monkeypatch):
 
 
 def fused_calls_per_forward(model_type) -> int:
-    """Fused Function calls per forward: qkv, o, mlp per layer; Phi-3's MLP is two lora_linear."""
-    return LAYERS * (4 if FAMILIES[model_type].mlp_layout == "fused" else 3)
+    """Fused Function calls per forward: qkv, o per attention layer, mlp per layer; a fused gate_up MLP
+    (Phi-3, GLM-4) is two lora_linear."""
+    return 2 * attention_layers(model_type) + LAYERS * (2 if FAMILIES[model_type].mlp_layout == "fused" else 1)
 
 
 def step(model, batch, seed=0):
@@ -132,8 +133,9 @@ def logits(model, batch):
 @pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_every_family_matches_peft_and_unpatches(model_type, device, spy):
     stock, fast, report = stock_and_fast(model_type, device, seed=2)
-    assert lora_counts(report) == dict.fromkeys(LORA_OPS, LAYERS), str(report)
-    assert [f.op for f in report.fallbacks] == (["rope"] if model_type in OWN_ROPE_TYPES else []), str(report)
+    attn = attention_layers(model_type)
+    assert lora_counts(report) == {"lora_qkv": attn, "lora_o": attn, "lora_mlp": LAYERS}, str(report)
+    assert [f.op for f in report.fallbacks] == stock_fallback_ops(model_type), str(report)
     batch = make_batch(VOCAB, seed=12, device=device)
     assert_parity(fast, stock, batch)
     assert sum(spy.values()) == fused_calls_per_forward(model_type), spy

@@ -6,9 +6,23 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5")
+                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "qwen3_5_text")
 # Families whose q/k rotate in interleaved pairs: their own apply_rotary_pos_emb runs (a "rope" fallback).
 OWN_ROPE_TYPES = ("glm4", "ernie4_5")
+# Softmax-attention layers of the two-layer tiny model where not both (Qwen3.5's first layer mixes
+# tokens with a gated delta rule, which stays stock with its gated norm).
+ATTENTION_LAYERS = {"qwen3_5_text": 1}
+
+
+def attention_layers(model_type: str) -> int:
+    return ATTENTION_LAYERS.get(model_type, 2)
+
+
+def stock_fallback_ops(model_type: str) -> list[str]:
+    """The ops a fully patched tiny model of ``model_type`` reports as fallbacks (FastConfig()), in order."""
+    if model_type == "qwen3_5_text":
+        return ["rms_norm", "rope"]  # Qwen3_5RMSNormGated; the layer without self_attn
+    return ["rope"] if model_type in OWN_ROPE_TYPES else []
 
 # GQA everywhere (4 query heads over 2 KV heads), odd-ish widths, vocab > 65,536 (the kernels'
 # int32/large-vocab paths), two layers so layer stacking is exercised.
@@ -38,6 +52,13 @@ _EXTRA = {
     "smollm3": dict(pad_token_id=0, no_rope_layers=[1, 0], tie_word_embeddings=True),
     "glm4": dict(pad_token_id=0, attention_bias=True),
     "ernie4_5": dict(pad_token_id=0, use_bias=True, tie_word_embeddings=True),
+    # Qwen3.5: a gated-delta-rule layer (stock) then a gated full-attention layer; partial RoPE over 12
+    # of 24 dims in 3-D sections (one position per token in text: the sections rotate alike).
+    "qwen3_5_text": dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"],
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                              mrope_section=[2, 2, 2]),
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }
 
 
