@@ -199,6 +199,13 @@ ERNIE4_5 = _row(LLAMA, "ernie4_5", "Ernie4_5", rope_layout="interleaved", gguf_a
 QWEN3_5_TEXT = _row(QWEN3, "qwen3_5_text", "Qwen3_5", modeling_module="transformers.models.qwen3_5.modeling_qwen3_5",
                     norm_eps_attr="eps", norm_offset=1.0, norm_casting="gemma", attention_kwargs=(),
                     output_gate=True, pre_norm_layer=False, gguf_arch="qwen35")
+# Qwen3.5-MoE (text): the same layers with a routed-experts block; its shared expert (a dense MLP, the
+# family's only one) is scaled by a sigmoid gate in the block's own forward, which stays stock around the
+# fused experts. That product saves the MLP's output for backward: a recompute must compute it whole.
+QWEN3_5_MOE_TEXT = _row(QWEN3_5_TEXT, "qwen3_5_moe_text", "Qwen3_5Moe",
+                        modeling_module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                        moe_block_class="Qwen3_5MoeSparseMoeBlock", experts_class="Qwen3_5MoeExperts",
+                        mlp_output_saved=True, gguf_arch="qwen35moe")
 
 # Mixtures of experts: the dense row of the same attention, plus the MoE block and its experts.
 # Qwen3-MoE keeps dense MLP layers where config.mlp_only_layers says so; the others are MoE only.
@@ -237,7 +244,7 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
                  OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, QWEN3_5_TEXT,
-                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN2_VL, QWEN2_5_VL, GEMMA3)
+                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT, QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 
 

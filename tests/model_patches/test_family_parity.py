@@ -23,7 +23,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from fasttune import FastConfig, patch_model, unpatch_model
-from helpers.compare import assert_grads_close, grad_errors, rel_err
+from helpers.compare import assert_grads_close, assert_grads_close_judging_ill_conditioned, rel_err
 from helpers.spies import model_patch_counts
 from helpers.tiny_models import (FAMILY_TYPES, OWN_ROPE_TYPES, attention_layers, make_batch, stock_fallback_ops,
                                  tiny_model)
@@ -36,11 +36,6 @@ NORMS_PER_LAYER = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 4, "gemma": 2,
 # GLM-4 and ERNIE 4.5 rotate interleaved pairs with their own function: their attention carries the
 # LoRA hooks only ("attention_hook"), and the report says why RoPE stays stock.
 OWN_ROPE = set(OWN_ROPE_TYPES)
-# Gradients judged against float64 instead of stock fp32: Qwen3.5's gated delta rule (stock code) sums
-# cancelling terms into its decay parameters' gradients, so stock fp32 is itself 1e-5 to 5e-4 from float64
-# there (3 seeds measured) and any rounding change upstream moves them as much; the fused run must be at
-# least about as close to float64 as stock fp32 is.
-FP64_JUDGED = {"qwen3_5_text": ("linear_attn.dt_bias", "linear_attn.A_log")}
 
 # Every projection of attention and MLP ("all seven" for separate layouts; Phi-3 fuses them into 4).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -92,17 +87,7 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
     stock.train(), fast.train()
     loss_fast, loss_stock = _step(fast, batch), _step(stock, batch)
     assert rel_err(loss_fast, loss_stock) <= 1e-6
-    judged64 = FP64_JUDGED.get(model_type, ())
-    errs = {n: e for n, e in grad_errors(fast, stock).items() if not n.endswith(judged64)}
-    assert errs and max(errs.values()) <= 1e-5, {n: e for n, e in errs.items() if e > 1e-5}
-    if judged64:
-        exact = copy.deepcopy(stock).double()
-        _step(exact, {k: v for k, v in batch.items()})
-        ref = {n: p.grad for n, p in exact.named_parameters() if n.endswith(judged64)}
-        fast_g, stock_g = dict(fast.named_parameters()), dict(stock.named_parameters())
-        for name, g64 in ref.items():
-            err_fast, err_stock = rel_err(fast_g[name].grad, g64), rel_err(stock_g[name].grad, g64)
-            assert err_fast <= 2 * err_stock + 1e-6, (name, err_fast, err_stock)
+    assert_grads_close_judging_ill_conditioned(fast, stock, 1e-5, lambda exact: _step(exact, batch))
 
     # Undo: the instance forwards are gone and the outputs are bit-identical to stock again.
     unpatch_model(fast)

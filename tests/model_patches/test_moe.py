@@ -24,14 +24,15 @@ from fasttune import FastConfig, patch_model, unpatch_model
 from fasttune.model_patches.lora_widen import owns_storage
 from fasttune.model_patches.moe_widen import WIDE_EXPERTS_ATTR
 from fasttune.model_patches.report import FUSED
-from helpers.compare import assert_grads_close, grad_errors, rel_err
+from helpers.compare import assert_grads_close, assert_grads_close_judging_ill_conditioned, grad_errors, rel_err
 from helpers.spies import grouped_mlp_output_unused, model_patch_counts
-from helpers.tiny_models import MOE_TYPES, make_batch, tiny_model
+from helpers.tiny_models import MOE_TYPES, make_batch, stock_fallback_ops, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 # MoE blocks per tiny model (Qwen3-MoE and GLM-4-MoE have one dense layer of two) and the patched ops.
-MOE_BLOCKS = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2, "olmoe": 2, "granitemoe": 2, "glm4_moe": 1}
+MOE_BLOCKS = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2, "olmoe": 2, "granitemoe": 2, "glm4_moe": 1,
+              "qwen3_5_moe_text": 2}
 EXPECTED = {
     "qwen3_moe": dict(rms_norm=9, mlp=1, residual_norms=2),
     "mixtral": dict(rms_norm=5, residual_norms=2),
@@ -39,6 +40,8 @@ EXPECTED = {
     "olmoe": dict(rms_norm=9, residual_norms=2),
     "granitemoe": dict(rms_norm=5),
     "glm4_moe": dict(rms_norm=9, mlp=2, residual_norms=2),  # the dense layer's MLP and the shared expert
+    # Qwen3.5-MoE: one gated-delta-rule layer (stock) and one attention layer; the shared experts' MLPs.
+    "qwen3_5_moe_text": dict(rms_norm=7, mlp=2, rope=1),
 }
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -76,7 +79,7 @@ def _compare(stock, fast, seed, device, seq=13):
     assert rel_err(out_fast.loss, out_stock.loss) <= 1e-6
     if getattr(out_stock, "aux_loss", None) is not None:
         assert rel_err(out_fast.aux_loss, out_stock.aux_loss) <= 1e-6
-    assert_grads_close(fast, stock, 1e-5)
+    assert_grads_close_judging_ill_conditioned(fast, stock, 1e-5, lambda exact: _step(exact, batch))
     return out_fast
 
 
@@ -86,7 +89,7 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     assert model_patch_counts(report) == expected_counts(model_type), str(report)
-    assert report.fallbacks == [], str(report)
+    assert [f.op for f in report.fallbacks] == stock_fallback_ops(model_type), str(report)
     out = _compare(stock, fast, seed=11, device=device)
     assert report.calls["moe", FUSED] == MOE_BLOCKS[model_type]
     routers = [n for n, p in fast.named_parameters() if ("gate.weight" in n or "router" in n) and p.grad is not None]
@@ -328,3 +331,18 @@ def test_qwen3_30b_a3b_layers_at_real_size(dtype):
     stock_err, fast_err = grad_errors(stock, ref), grad_errors(fast, ref)
     bad = {n: (fast_err[n], stock_err[n]) for n in stock_err if not fast_err[n] <= 2 * stock_err[n] + 1e-2}
     assert not bad, f"{len(bad)} gradients farther from fp32 than 2× stock bf16 + 1e-2: {dict(list(bad.items())[:5])}"
+
+
+def test_gated_shared_expert_lora_under_offload_matches_stock(device):
+    """Qwen3.5-MoE scales its shared expert (a dense MLP) by a sigmoid gate, a product that saves the MLP's
+    output for backward: the checkpoint's recompute must not skip that MLP's down projection (it did, giving
+    NaN gradients, before the row said ``mlp_output_saved``). LoRA on attention, the shared expert and the
+    experts, under "offload"."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                        target_parameters=EXPERT_PARAMS, init_lora_weights=False)
+    stock = get_peft_model(tiny_model("qwen3_5_moe_text", seed=2), config).to(device)
+    fast = copy.deepcopy(stock)
+    report = patch_model(fast, FastConfig(checkpointing="offload"))
+    assert report.patched["lora_mlp"] == 2 and report.patched["lora_moe"] == 2, str(report)
+    _compare(stock, fast, seed=5, device=device)
+    assert report.calls["lora_mlp", FUSED] == 4 and report.calls["lora_moe", FUSED] == 4  # forward and recompute

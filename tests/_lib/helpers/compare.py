@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -71,3 +73,27 @@ def make_head_inputs(device, N: int, D: int, V: int, dtype=torch.float32, bias: 
     y[torch.rand(N, **kw) < ignore_frac] = -100
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return cast(h), cast(W), cast(b), y
+
+
+# Gradients judged against float64 instead of stock fp32: Qwen3.5's gated delta rule (transformers' own code,
+# stock in both runs) sums cancelling terms into its decay parameters' gradients, so stock fp32 is itself
+# 1e-5 to 5e-4 from float64 there (3 seeds measured) and any rounding change upstream moves them as much.
+FP64_JUDGED = ("linear_attn.dt_bias", "linear_attn.A_log")
+
+
+def assert_grads_close_judging_ill_conditioned(fast, stock, rtol: float, rerun64) -> None:
+    """``assert_grads_close`` for every gradient but the ``FP64_JUDGED`` ones, which must be at least about
+    as close to float64 (``rerun64(model64)`` runs the same step on a float64 copy) as stock fp32 is."""
+    errs = {n: e for n, e in grad_errors(fast, stock).items() if not n.endswith(FP64_JUDGED)}
+    assert errs and max(errs.values()) <= rtol, {n: e for n, e in errs.items() if e > rtol}
+    judged = [n for n, p in stock.named_parameters() if n.endswith(FP64_JUDGED) and p.grad is not None]
+    if not judged:
+        return
+    exact = copy.deepcopy(stock).double()
+    if callable(getattr(exact, "set_experts_implementation", None)):
+        exact.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
+    rerun64(exact)
+    ref, fast_p, stock_p = dict(exact.named_parameters()), dict(fast.named_parameters()), dict(stock.named_parameters())
+    for name in judged:
+        err_fast, err_stock = rel_err(fast_p[name].grad, ref[name].grad), rel_err(stock_p[name].grad, ref[name].grad)
+        assert err_fast <= 2 * err_stock + 1e-6, (name, err_fast, err_stock)

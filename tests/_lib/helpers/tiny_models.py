@@ -11,7 +11,7 @@ FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
 OWN_ROPE_TYPES = ("glm4", "ernie4_5")
 # Softmax-attention layers of the two-layer tiny model where not both (Qwen3.5's first layer mixes
 # tokens with a gated delta rule, which stays stock with its gated norm).
-ATTENTION_LAYERS = {"qwen3_5_text": 1}
+ATTENTION_LAYERS = {"qwen3_5_text": 1, "qwen3_5_moe_text": 1}
 
 
 def attention_layers(model_type: str) -> int:
@@ -20,8 +20,8 @@ def attention_layers(model_type: str) -> int:
 
 def stock_fallback_ops(model_type: str) -> list[str]:
     """The ops a fully patched tiny model of ``model_type`` reports as fallbacks (FastConfig()), in order."""
-    if model_type == "qwen3_5_text":
-        return ["rms_norm", "rope"]  # Qwen3_5RMSNormGated; the layer without self_attn
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        return ["rms_norm", "rope"]  # the gated delta rule's RMSNormGated; the layer without self_attn
     return ["rope"] if model_type in OWN_ROPE_TYPES else []
 
 # GQA everywhere (4 query heads over 2 KV heads), odd-ish widths, vocab > 65,536 (the kernels'
@@ -65,7 +65,7 @@ _EXTRA = {
 # Mixture-of-experts families (tests/model_patches/test_moe.py): 4 experts, top-2, a small vocab
 # (the large-vocab path is the loss head's, covered by the dense families). Qwen3-MoE's second
 # layer is dense (mlp_only_layers), so both layer kinds run.
-MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "glm4_moe")
+MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "glm4_moe", "qwen3_5_moe_text")
 _MOE = dict(vocab_size=1000, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
 _EXTRA.update({
     "qwen3_moe": dict(_MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
@@ -77,6 +77,8 @@ _EXTRA.update({
     "glm4_moe": dict(_MOE, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, use_qk_norm=True,
                      partial_rotary_factor=0.5),
+    "qwen3_5_moe_text": dict(_EXTRA["qwen3_5_text"], **_MOE, num_experts=4, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48),
     "granitemoe": dict(_MOE, num_local_experts=4, intermediate_size=32, embedding_multiplier=2.0,
                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
 })
