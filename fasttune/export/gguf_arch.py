@@ -5,8 +5,8 @@ from llama.cpp's converter and loader (``src/models/<arch>.cpp``), not copied fr
 
 - q/k row permutation: llama.cpp's "llama", "granite" and "smollm3" graphs apply RoPE to adjacent
   pairs (``LLAMA_ROPE_TYPE_NORM``) while HF rotates halves; the rows of each q/k head are reordered
-  from [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}] to interleaved pairs. qwen2, qwen3, gemma*, phi3 and
-  olmo2 run NEOX-style RoPE on the HF layout, and glm4 / ernie4_5 rotate adjacent pairs in HF as in
+  from [x_0..x_{d/2-1}, x_{d/2}..x_{d-1}] to interleaved pairs. qwen2, qwen3, gemma*, phi3,
+  olmo2 and hunyuan-dense run NEOX-style RoPE on the HF layout, and glm4 / ernie4_5 rotate adjacent pairs in HF as in
   llama.cpp: no permutation.
 - smollm3: llama.cpp skips RoPE in every fourth layer (il + 1 ≡ 0 mod 4) and reads no layer list, so
   a config whose ``no_rope_layers`` says otherwise is refused.
@@ -97,10 +97,19 @@ def _common(w, cfg: dict[str, Any], arch: str) -> None:
     _rope_scaling(w, cfg, rope, arch)
 
 
+def _rope_kind(arch: str, rope: dict[str, Any]) -> str:
+    """The config's RoPE type, or ValueError when llama.cpp's ``arch`` cannot be told it."""
+    kind = str(rope.get("rope_type") or "default").lower()
+    if not (kind in ("default", "linear", "yarn") or (kind == "mrope" and arch == "qwen2vl")
+            or (kind == "llama3" and arch == "llama") or (kind in ("longrope", "su") and arch == "phi3")):
+        raise ValueError(f"RoPE type {kind!r} is not supported for GGUF arch {arch!r}")
+    return kind
+
+
 def _rope_scaling(w, cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> None:
     import gguf
 
-    kind = str(rope.get("rope_type") or "default").lower()
+    kind = _rope_kind(arch, rope)
     if kind == "default" or (kind == "mrope" and arch == "qwen2vl"):  # older Qwen2-VL configs name it "mrope"
         return
     if kind == "linear":
@@ -116,12 +125,7 @@ def _rope_scaling(w, cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> No
                          ("attention_factor", w.add_rope_scaling_yarn_attn_factor)):
             if rope.get(key) is not None:
                 add(float(rope[key]))
-    elif kind == "llama3" and arch == "llama":
-        pass  # written as the rope_freqs tensor (extra_tensors)
-    elif kind in ("longrope", "su") and arch == "phi3":
-        pass  # rope_factors_long/short tensors (extra_tensors)
-    else:
-        raise ValueError(f"RoPE type {kind!r} is not supported for GGUF arch {arch!r}")
+    # llama3 (llama): the rope_freqs tensor; longrope (phi3): rope_factors_long/short (extra_tensors)
 
 
 def _meta_llama(w, cfg):
@@ -220,6 +224,7 @@ def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False)
     ggml's YaRN always rounds the correction range outwards (floor/ceil: transformers'
     ``truncate=True``); a config with ``truncate=False`` (gpt-oss) gets other frequencies on the
     dimensions inside that range, so it is refused unless ``approximate_yarn`` accepts the difference."""
+    _rope_kind(arch, rope_settings(cfg))  # a RoPE scaling llama.cpp cannot be told, before any tensor is read
     if arch == "smollm3":
         _check_smollm3(cfg)
     if arch == "ernie4_5" and cfg.get("use_bias"):
@@ -277,6 +282,7 @@ ARCHS: dict[str, ArchSpec] = {
     "smollm3": ArchSpec("smollm3", permute_qk=True),
     "glm4": ArchSpec("glm4"),  # post-attention / post-MLP norms, fused gate_up, partial interleaved RoPE
     "ernie4_5": ArchSpec("ernie4_5"),
+    "hunyuan-dense": ArchSpec("hunyuan-dense"),  # q/k norms after RoPE (attn_q_norm / attn_k_norm)
 }
 
 

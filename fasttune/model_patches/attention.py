@@ -101,8 +101,9 @@ class FastAttentionForward(PatchedForward):
         self.project_o: Callable = project_o
         self.use_rope_kernel = use_rope_kernel
         self.qk_norm = spec.qk_norm
+        self.q_norm, self.k_norm = spec.qk_norm_attrs
         if self.qk_norm == "head_optional":  # GLM-4-MoE: config.use_qk_norm decides whether the module has them
-            self.qk_norm = "head" if hasattr(module, "q_norm") else None
+            self.qk_norm = "head" if hasattr(module, self.q_norm) else None
         self.attention_kwargs = tuple(spec.attention_kwargs)
         self.eager = eager
         self.stock_rope = stock_rope
@@ -179,16 +180,19 @@ class FastAttentionForward(PatchedForward):
         if self.output_gate:  # as stock: per head, the first head_dim columns are q, the next its gate
             q, gate = q.view(*input_shape, -1, 2 * m.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(*input_shape, -1)
+        q_norm, k_norm = getattr(m, self.q_norm, None), getattr(m, self.k_norm, None)
         if self.qk_norm == "full":  # OLMo2: over the whole projection, before the head split
-            q, k = m.q_norm(q), m.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)  # views for stock
         if self.qk_norm == "head":  # Qwen3 / Gemma 3: over each head (same math before the transpose)
-            q, k = m.q_norm(q), m.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
         if self.rope_flag is None or getattr(m, self.rope_flag):
             cos, sin = position_embeddings
             q, k = self._rope(q, k, cos, sin)
+        if self.qk_norm == "head_after_rope":  # Hunyuan: over each rotated head
+            q, k = q_norm(q), k_norm(k)
 
         if cache is not None:
             if self.cache_kwargs:
@@ -328,10 +332,12 @@ def check_attention(module: nn.Module, spec: FamilySpec, use_rope_kernel: bool =
         return "fused qkv_proj without num_key_value_heads / config.num_attention_heads"
     if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
         return "config.clip_qkv clamps q/k/v (OLMoE), which this forward does not model"
-    if spec.qk_norm == "head_optional" and hasattr(module, "q_norm") != hasattr(module, "k_norm"):
-        return "q_norm without k_norm (or the reverse)"
-    if spec.qk_norm in ("head", "full") and not (hasattr(module, "q_norm") and hasattr(module, "k_norm")):
-        return f"the family row expects q_norm/k_norm ({spec.qk_norm}) and the module has none"
+    q_norm, k_norm = spec.qk_norm_attrs
+    if spec.qk_norm == "head_optional" and hasattr(module, q_norm) != hasattr(module, k_norm):
+        return f"{q_norm} without {k_norm} (or the reverse)"
+    if spec.qk_norm in ("head", "head_after_rope", "full") and not (hasattr(module, q_norm)
+                                                                    and hasattr(module, k_norm)):
+        return f"the family row expects {q_norm}/{k_norm} ({spec.qk_norm}) and the module has none"
     if spec.rope_flag is not None and not hasattr(module, spec.rope_flag):
         return f"no `{spec.rope_flag}` attribute (whether this layer applies RoPE)"
     for name, source in spec.attention_kwargs:

@@ -60,7 +60,8 @@ class FamilySpec:
         norm_offset: 1.0 where the norm scales by (1 + weight) (Gemma).
         norm_casting: "llama" (normalise in fp32, cast, multiply) or "gemma" (all fp32, cast last).
         qkv_layout: "separate" (q_proj/k_proj/v_proj) or "fused" (one qkv_proj, Phi-3).
-        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3), "head_optional" ("head" where
+        qk_norm: None, "head" (RMSNorm over each head, Qwen3/Gemma3), "head_after_rope" (the same, on the
+            rotated q/k: Hunyuan), "head_optional" ("head" where
             the module has q_norm/k_norm, GLM-4-MoE's config.use_qk_norm) or "full" (over the whole
             projection before the head split, OLMo2).
         attention_kwargs: extra keyword arguments the stock attention passes to the attention
@@ -89,6 +90,7 @@ class FamilySpec:
             pairs, GLM-4 / ERNIE 4.5): those keep the family's own ``apply_rotary_pos_emb``, reported.
         rope_flag: attribute of the attention module saying whether this layer rotates q/k at all
             (SmolLM3's NoPE layers: ``use_rope``), or None where every layer does.
+        qk_norm_attrs: the attention module's q and k norm attributes.
         output_gate: q_proj also yields a gate per head ([q_h | g_h], Qwen3.5's full-attention layers):
             the attention output is multiplied by sigmoid(g) before o_proj.
         vision: the towers of a vision-language model (``causal_lm_class`` is then its
@@ -123,6 +125,7 @@ class FamilySpec:
     rope_half_cos: bool = False
     rope_layout: str = "halves"
     rope_flag: str | None = None
+    qk_norm_attrs: tuple[str, str] = ("q_norm", "k_norm")
     output_gate: bool = False
     vision: VisionLayout | None = None
 
@@ -193,6 +196,9 @@ SMOLLM3 = _row(LLAMA, "smollm3", "SmolLM3", attention_kwargs=(("sliding_window",
 GLM4 = _row(LLAMA, "glm4", "Glm4", mlp_layout="fused", rope_layout="interleaved", pre_norm_layer=False,
             mlp_output_saved=True, gguf_arch="glm4")
 ERNIE4_5 = _row(LLAMA, "ernie4_5", "Ernie4_5", rope_layout="interleaved", gguf_arch="ernie4_5")
+# Hunyuan dense: Llama's layer with per-head q/k norms applied after RoPE (query_layernorm / key_layernorm).
+HUNYUAN_V1_DENSE = _row(LLAMA, "hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="head_after_rope",
+                        qk_norm_attrs=("query_layernorm", "key_layernorm"), gguf_arch="hunyuan-dense")
 # Qwen3.5 (text): three of every four layers mix tokens with a gated delta rule (linear_attn, stock);
 # the others are Qwen3 attention with a per-head output gate, partial RoPE and (1 + w) norms in fp32.
 # Not pre-norm layers as residual.py runs them (a linear-attention layer calls linear_attn).
@@ -243,7 +249,7 @@ GEMMA3 = _row(GEMMA3_TEXT, "gemma3", "Gemma3", causal_lm_class="Gemma3ForConditi
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
-                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, QWEN3_5_TEXT,
+                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, QWEN3_5_TEXT,
                  QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT, QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 

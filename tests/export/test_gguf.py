@@ -88,6 +88,7 @@ def _expected_tensors(family, model):
         "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2") else "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
         "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
+        "self_attn.query_layernorm": "attn_q_norm", "self_attn.key_layernorm": "attn_k_norm",  # Hunyuan
     }
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + shift}
     if family not in TIED:
@@ -348,3 +349,11 @@ def test_ernie4_5_projection_biases_llama_cpp_cannot_run_are_refused(tmp_path):
     biased = gguf_model("ernie4_5", use_bias=True)  # fasttune trains it (tiny_models); llama.cpp has no biases
     with pytest.raises(ValueError, match="ernie4_5 GGUF: llama.cpp's ERNIE 4.5 graph has no projection biases"):
         save_gguf(biased, gguf_tokenizer("bpe"), tmp_path / "out")
+
+
+def test_a_rope_scaling_llama_cpp_cannot_be_told_is_refused_up_front():
+    """Hunyuan's dynamic (NTK-alpha) RoPE has no GGUF key here: refused by gguf_refusal, which FastTrainer asks
+    at construction, not only when the file is written after training."""
+    model = gguf_model("hunyuan_v1_dense", rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    assert "RoPE type 'dynamic' is not supported for GGUF arch 'hunyuan-dense'" in ft_gguf.gguf_refusal(
+        model.base_model.model.config)

@@ -14,8 +14,9 @@ import torch
 from .tiny_tokenizers import bpe_tokenizer, sp_tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-            "olmo3", "smollm3", "glm4", "ernie4_5")
-ARCH = {"mistral": "llama", "gemma3_text": "gemma3", "olmo3": "olmo2"}  # GGUF architecture when not the model_type
+            "olmo3", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense")
+# GGUF architecture when it is not the model_type
+ARCH = {"mistral": "llama", "gemma3_text": "gemma3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense"}
 ROTARY = {"glm4": 0.5}  # partial_rotary_factor where not 1 (GLM-4's config default)
 SP_FAMILIES = {"mistral", "gemma", "gemma2", "gemma3_text"}  # SentencePiece-style vocabularies
 TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3", "ernie4_5"}
@@ -32,6 +33,7 @@ EXTRA = {
     "olmo3": dict(pad_token_id=0, eos_token_id=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "smollm3": dict(pad_token_id=0, no_rope_layers=[1, 1]),  # llama.cpp's NoPE layer is every 4th (SMOLLM3_NOPE)
     "glm4": dict(pad_token_id=0, attention_bias=True),
+    "hunyuan_v1_dense": dict(pad_token_id=0),
     "ernie4_5": dict(pad_token_id=0),  # no biases: llama.cpp's graph has none (refused, test_gguf.py)
 }
 # SmolLM3 as llama.cpp runs it: four layers, the fourth without RoPE.

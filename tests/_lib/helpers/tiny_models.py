@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "qwen3_5_text")
+                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "qwen3_5_text")
 # Families whose q/k rotate in interleaved pairs: their own apply_rotary_pos_emb runs (a "rope" fallback).
 OWN_ROPE_TYPES = ("glm4", "ernie4_5")
 # Softmax-attention layers of the two-layer tiny model where not both (Qwen3.5's first layer mixes
