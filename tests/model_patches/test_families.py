@@ -32,7 +32,9 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     assert classes["causal_lm_class"].__module__ == module.__name__
     for attr in (spec.final_softcap_attr, spec.logit_divisor_attr):
         assert attr is None or hasattr(config, attr)
-    assert spec.norm_casting in ("llama", "gemma") and spec.qk_norm in (None, "head", "head_optional", "full")
+    assert spec.norm_casting in ("llama", "gemma")
+    assert spec.qk_norm in (None, "head", "head_after_rope", "head_optional", "full") and len(spec.qk_norm_attrs) == 2
+    assert spec.rope_layout in ("halves", "interleaved") and (spec.rope_flag is None or isinstance(spec.rope_flag, str))
     assert spec.qkv_layout in ("separate", "fused") and spec.mlp_layout in ("separate", "fused")
     for _, source in spec.attention_kwargs:
         assert source.split(":")[0] in ("module", "config")
