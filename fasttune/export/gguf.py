@@ -182,11 +182,11 @@ def _plan(arch: str, cfg: dict[str, Any], entries: list[WeightEntry], approximat
                 plan.append(_Tensor(gguf_moe_arch.gguf_tensor_name(new), shape, lambda e=e, take=take: take(
                     e.load().detach()).to("cpu", torch.float32).contiguous().numpy()))
             continue
-        new = name_map.get_name(gguf_moe_arch.name_map_key(e.name), try_suffixes=(".weight", ".bias"))
+        new = name_map.get_name(gguf_arch.tensor_key(arch, e.name), try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"GGUF arch {arch!r}: no tensor name for {e.name!r}")
-        new = gguf_moe_arch.gguf_tensor_name(new)  # gpt-oss's attention sinks carry no suffix
-        plan.append(_Tensor(new, e.shape, lambda e=e: gguf_arch.transform(
+        new = gguf_arch.tensor_name(arch, new)  # gpt-oss's attention sinks carry no suffix
+        plan.append(_Tensor(new, gguf_arch.tensor_shape(arch, e.name, e.shape), lambda e=e: gguf_arch.transform(
             arch, e.name, e.load().detach().to("cpu", torch.float32).numpy(), cfg)))
     names = {t.name for t in plan}
     if spec.output == "required" and "output.weight" not in names:
@@ -210,8 +210,10 @@ def _tensor_type(quant: str, t: _Tensor):
     import gguf
 
     q = _qtype(quant)
-    # MoE routers (ffn_gate_inp) stay F32, as llama.cpp's own converter keeps them.
-    if len(t.shape) <= 1 or t.name.endswith(("_norm.weight", "ffn_gate_inp.weight")) or not t.name.endswith(".weight") \
+    # MoE routers (ffn_gate_inp) stay F32, as llama.cpp's own converter keeps them; so does a gated delta rule's
+    # depthwise conv (ggml_ssm_conv reads F32 weights only: a Q8_0/F16 one aborts llama.cpp).
+    if len(t.shape) <= 1 or t.name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight")) \
+            or not t.name.endswith(".weight") \
             or t.name.startswith(("rope_freqs", "rope_factors")):
         return gguf.GGMLQuantizationType.F32
     if quant in ("f32", "f16", "bf16"):

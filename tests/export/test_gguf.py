@@ -322,7 +322,7 @@ def test_bad_inputs(exported, tmp_path):
         save_gguf(untied, _tokenizer("sp"), tmp_path)
 
 
-@pytest.mark.parametrize("model_type", ["ministral", "qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["ministral", "qwen3_5_moe_text"])
 def test_families_without_converter_rules_are_refused_before_anything_is_written(model_type, tmp_path):
     """Trained on the fast path, but their GGUF layout was never checked in llama.cpp: refused with
     the way out, and nothing is written."""
@@ -357,3 +357,45 @@ def test_a_rope_scaling_llama_cpp_cannot_be_told_is_refused_up_front():
     model = gguf_model("hunyuan_v1_dense", rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
     assert "RoPE type 'dynamic' is not supported for GGUF arch 'hunyuan-dense'" in ft_gguf.gguf_refusal(
         model.base_model.model.config)
+
+
+def test_qwen3_5_keys_and_gated_delta_rule_tensors(tmp_path):
+    """The qwen35 file's SSM keys and the delta rule's tensors as llama.cpp reads them (test_gguf_llama_cpp.py
+    runs it): ssm_a = −exp(A_log) and each GGUF value head j holding transformers' head (j % nk)·r + j // nk."""
+    from fasttune.export import gguf_qwen35
+    from helpers.gguf_models import QWEN3_5
+
+    model = gguf_model("qwen3_5_text", **QWEN3_5)
+    cfg = model.base_model.model.config
+    (path,) = save_gguf(model, gguf_tokenizer("bpe"), tmp_path, ["f32"])
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.architecture") == "qwen35"
+    assert _field(reader, "qwen35.ssm.conv_kernel") == 4 and _field(reader, "qwen35.ssm.state_size") == 64
+    assert _field(reader, "qwen35.ssm.group_count") == 2 and _field(reader, "qwen35.ssm.time_step_rank") == 4
+    assert _field(reader, "qwen35.ssm.inner_size") == 256 and _field(reader, "qwen35.full_attention_interval") == 2
+    assert list(_field(reader, "qwen35.rope.dimension_sections")) == [3, 3, 2, 0]
+    assert _field(reader, "qwen35.rope.dimension_count") == 16
+    tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in t.shape[::-1]])
+               for t in reader.tensors}
+    merged = copy.deepcopy(model).merge_and_unload()
+    attn = merged.model.layers[0].linear_attn
+    nk, nv, r = 2, 4, 2
+    hf_head = [(j % nk) * r + j // nk for j in range(nv)]  # llama.cpp's value head j reads key head j % nk
+    assert all(h // r == j % nk for j, h in enumerate(hf_head))  # ...which is the key head h shares in transformers
+    np.testing.assert_allclose(tensors["blk.0.ssm_a"], -np.exp(attn.A_log.detach().numpy()[hf_head]), rtol=1e-6)
+    np.testing.assert_allclose(tensors["blk.0.ssm_dt.bias"], attn.dt_bias.detach().numpy()[hf_head], rtol=1e-6)
+    out = attn.out_proj.weight.detach().numpy().reshape(-1, nv, 64)[:, hf_head].reshape(-1, nv * 64)
+    np.testing.assert_allclose(tensors["blk.0.ssm_out.weight"], out, rtol=1e-6)
+    assert tensors["blk.0.ssm_conv1d.weight"].shape == (2 * 2 * 64 + nv * 64, 4)
+    np.testing.assert_allclose(tensors["blk.0.ssm_norm.weight"], attn.norm.weight.detach().numpy(), rtol=1e-6)  # no +1
+    np.testing.assert_allclose(tensors["blk.0.attn_norm.weight"],
+                               merged.model.layers[0].input_layernorm.weight.detach().numpy() + 1, rtol=1e-6)
+    assert gguf_qwen35 is not None and ft_gguf.gguf_refusal(cfg) is None
+
+
+def test_qwen3_5_layer_patterns_llama_cpp_cannot_run_are_refused():
+    from helpers.gguf_models import QWEN3_5
+
+    odd = gguf_model("qwen3_5_text", **{**QWEN3_5, "num_hidden_layers": 3,
+                                        "layer_types": ["linear_attention", "full_attention", "full_attention"]})
+    assert "full-attention layer every n-th layer" in ft_gguf.gguf_refusal(odd.base_model.model.config)

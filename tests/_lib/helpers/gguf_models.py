@@ -38,6 +38,13 @@ EXTRA = {
 }
 # SmolLM3 as llama.cpp runs it: four layers, the fourth without RoPE.
 SMOLLM3_NOPE = dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+# Qwen3.5 (llama.cpp qwen35): a gated-delta-rule layer, then a full-attention one (llama.cpp needs at least
+# one recurrent layer), more value heads than key heads (the head reordering matters), partial RoPE in sections.
+QWEN3_5 = dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"],
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                    mrope_section=[3, 3, 2]),
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+               linear_conv_kernel_dim=4)
 DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6)
 
