@@ -139,12 +139,14 @@ def test_qlora_moe_with_nf4_experts_matches_stock_trainer_on_dequantised_experts
 
 @pytest.mark.parametrize("where", ["export_artifacts", "push_artifacts"])
 def test_a_gguf_artifact_the_export_would_refuse_is_refused_before_training(tmp_path, where):
-    model = tiny_model("glm4")  # trains on the fast path; no GGUF converter rules
+    model = tiny_model("ministral")  # trains on the fast path; no GGUF converter rules
     fast = (FastConfig(export_artifacts=("adapter", "gguf")) if where == "export_artifacts"
-            else FastConfig(push_to_hub=True, hub_model_id="me/glm4-sft"))  # push_artifacts: all three
+            else FastConfig(push_to_hub=True, hub_model_id="me/ministral-sft"))  # push_artifacts: all three
     rows = random_lm_rows(model.config.vocab_size, n=4)
-    with pytest.raises(ValueError, match=rf"fast_config.{where} asks for a GGUF artifact.*'glm4'.*Leave 'gguf' out"):
+    with pytest.raises(ValueError, match=rf"fast_config.{where} asks for a GGUF artifact.*'ministral'.*Leave 'gguf'"):
         FastTrainer(model=model, args=_args(tmp_path), train_dataset=rows, data_collator=PadCollator(0),
                     fast_config=fast)
-    FastTrainer(model=tiny_model("glm4"), args=_args(tmp_path), train_dataset=rows, data_collator=PadCollator(0),
+    FastTrainer(model=tiny_model("ministral"), args=_args(tmp_path), train_dataset=rows, data_collator=PadCollator(0),
                 fast_config=FastConfig(export_artifacts=("adapter", "merged")))  # the rest is fine
+    FastTrainer(model=tiny_model("glm4"), args=_args(tmp_path), train_dataset=rows, data_collator=PadCollator(0),
+                fast_config=FastConfig(export_artifacts=("gguf",)))  # a family llama.cpp runs

@@ -28,7 +28,7 @@ import torch
 
 from fasttune import FastConfig, patch_model
 from helpers.compare import rel_err
-from helpers.tiny_models import FAMILY_TYPES, tiny_model
+from helpers.tiny_models import FAMILY_TYPES, OWN_ROPE_TYPES, stock_fallback_ops, tiny_model
 
 PAD = 0
 NEW_TOKENS = 3
@@ -55,7 +55,10 @@ def pair(request):
     stock = tiny_model(model_type, seed=8, vocab_size=VOCAB).to(device).eval()
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
-    assert report.fallbacks == [] and {"rms_norm", "rope", "mlp", "cross_entropy"} <= set(report.patched), str(report)
+    assert [f.op for f in report.fallbacks] == stock_fallback_ops(request.param), str(report)
+    own_rope = request.param in OWN_ROPE_TYPES  # their own rotation: the attention carries the hooks only
+    assert {"rms_norm", "attention_hook" if own_rope else "rope", "mlp", "cross_entropy"} <= set(report.patched), \
+        str(report)
     return stock, fast
 
 
