@@ -27,12 +27,11 @@ def name_key(hf_name: str) -> str:
     """The key llama.cpp's name map knows for ``hf_name``."""
     if hf_name.endswith("linear_attn.dt_bias"):
         return hf_name[: -len("dt_bias")] + "dt_proj.bias"
-    if hf_name.endswith("linear_attn.A_log"):
-        return hf_name[: -len("A_log")] + "A_log"
     return hf_name
 
 
 def shape(hf_name: str, hf_shape: tuple) -> tuple:
+    """The GGUF tensor's shape: the depthwise conv without its middle axis of 1."""
     if hf_name.endswith("linear_attn.conv1d.weight") and len(hf_shape) == 3:
         return (hf_shape[0], hf_shape[2])
     return tuple(hf_shape)
@@ -45,6 +44,8 @@ def _value_head_order(cfg: dict[str, Any]) -> np.ndarray | None:
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     if nv == nk:
         return None
+    if nv % nk:
+        raise ValueError(f"qwen35 GGUF: {nv} value heads do not share {nk} key heads evenly")
     r = nv // nk
     j = np.arange(nv)
     return (j % nk) * r + j // nk
@@ -58,6 +59,7 @@ def _heads(data: np.ndarray, order: np.ndarray, width: int, axis: int = 0) -> np
 
 
 def transform(hf_name: str, data: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """One tensor as llama.cpp reads it (the module docstring lists what changes)."""
     if ".linear_attn." not in hf_name:
         return data
     if hf_name.endswith("conv1d.weight") and data.ndim == 3:
@@ -91,6 +93,7 @@ def _full_attention_interval(cfg: dict[str, Any]) -> int:
 
 def check_config(cfg: dict[str, Any]) -> None:
     _full_attention_interval(cfg)
+    _value_head_order(cfg)
 
 
 def metadata(w, cfg: dict[str, Any], rope: dict[str, Any]) -> None:

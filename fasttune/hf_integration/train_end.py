@@ -35,14 +35,16 @@ def check_export_before_training(model, fast_config) -> None:
     Raises:
         ValueError: naming the argument and why.
     """
-    wanted = set(fast_config.export_artifacts) | (set(fast_config.push_artifacts) if fast_config.push_to_hub else set())
+    wanted = set(fast_config.export_artifacts)
+    if fast_config.push_to_hub:
+        wanted |= set(fast_config.push_artifacts)
     if "gguf" not in wanted:
         return
     why = gguf_refusal(unwrap_model(model).config)
     if why is not None:
         where = "export_artifacts" if "gguf" in fast_config.export_artifacts else "push_artifacts"
-        raise ValueError(f"fast_config.{where} asks for a GGUF artifact, which would fail after training: {why.rstrip('.')}. "
-                         f"Leave 'gguf' out of {where}.")
+        raise ValueError(f"fast_config.{where} asks for a GGUF artifact, which would fail after training: "
+                         f"{why.rstrip('.')}. Leave 'gguf' out of {where}.")
 
 
 def export_after_training(trainer, fast_config) -> dict[str, Any] | None:

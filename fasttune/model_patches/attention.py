@@ -1,11 +1,11 @@
 """Self-attention modules with Q/K rotated by the Triton RoPE kernel, and the fused-LoRA hook points.
 
-One forward for every dense family of the table, driven by the family's row: the projections (separate
+One forward for every family of the table, driven by the family's row: the projections (separate
 q/k/v or Phi-3's fused ``qkv_proj``), the optional q/k norm ("head": over each head, Qwen3 /
-Gemma 3; "full": over the whole projection, OLMo2), Qwen3.5's per-head output gate, RoPE (skipped in a layer whose ``rope_flag``
-attribute is false, SmolLM3's NoPE layers; the family's own rotation where its pairs are
-interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the attention
-function transformers selects for ``config._attn_implementation`` (eager: the family's own
+Gemma 3; "full": over the whole projection, OLMo2; after RoPE: Hunyuan), Qwen3.5's per-head output
+gate, RoPE (skipped in a layer whose ``rope_flag`` attribute is false, SmolLM3's NoPE layers; the
+family's own rotation where its pairs are interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the
+attention function transformers selects for ``config._attn_implementation`` (eager: the family's own
 ``eager_attention_forward``, so Gemma 2's soft-cap stays), and the output projection. The
 extra keyword arguments a family passes to the attention function (sliding window, soft-cap)
 come from ``FamilySpec.attention_kwargs``.

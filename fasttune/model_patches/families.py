@@ -73,9 +73,10 @@ class FamilySpec:
         pre_norm_layer: True where the decoder layer is exactly x + attn(norm_1(x)), then h + mlp(norm_2(h)),
             with the norms ``input_layernorm`` / ``post_attention_layernorm`` and every layer argument passed
             on to the attention (``residual.py`` runs that layer with fused residual norms).
-        mlp_output_saved: True where an op after the MLP saves its output for backward (a
-            post-feedforward norm: Gemma 2/3, OLMo2); False where it only enters the residual sum,
-            so a checkpoint recompute may skip computing it.
+        mlp_output_saved: True where an op after a dense MLP saves its output for backward (a
+            post-feedforward norm: Gemma 2/3, OLMo2; Qwen3.5-MoE's gated shared expert); False where it
+            only enters the residual sum, so a checkpoint recompute may skip computing it.
+        experts_output_saved: the same for the routed experts' output (``moe.py``).
         gguf_arch: llama.cpp architecture name for GGUF export.
         moe_block_class: the sparse mixture-of-experts block (router + experts) a decoder layer holds
             in place of a dense MLP, or None for dense families (``moe.py``).
@@ -116,6 +117,7 @@ class FamilySpec:
     logit_divisor_attr: str | None = None
     pre_norm_layer: bool = False
     mlp_output_saved: bool = False
+    experts_output_saved: bool = False
     gguf_arch: str = "llama"
     moe_block_class: str | None = None
     experts_class: str | None = None
@@ -207,7 +209,8 @@ QWEN3_5_TEXT = _row(QWEN3, "qwen3_5_text", "Qwen3_5", modeling_module="transform
                     output_gate=True, pre_norm_layer=False, gguf_arch="qwen35")
 # Qwen3.5-MoE (text): the same layers with a routed-experts block; its shared expert (a dense MLP, the
 # family's only one) is scaled by a sigmoid gate in the block's own forward, which stays stock around the
-# fused experts. That product saves the MLP's output for backward: a recompute must compute it whole.
+# fused experts. That product saves the MLP's output for backward: a recompute must compute it whole (the
+# routed experts' output only enters the sum and may still be skipped).
 QWEN3_5_MOE_TEXT = _row(QWEN3_5_TEXT, "qwen3_5_moe_text", "Qwen3_5Moe",
                         modeling_module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
                         moe_block_class="Qwen3_5MoeSparseMoeBlock", experts_class="Qwen3_5MoeExperts",
@@ -250,7 +253,8 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
                  OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, QWEN3_5_TEXT,
-                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT, QWEN2_VL, QWEN2_5_VL, GEMMA3)
+                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT,
+                 QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 
 

@@ -212,9 +212,9 @@ class FastExpertsForward(PatchedForward):
         self.glu = glu
         self.transposed = spec.experts_transposed
         self.bias = spec.experts_bias
-        # The block's output only enters the residual sum (every MoE row so far): a checkpoint
-        # recompute, whose output is thrown away, skips the GLU, the down projection and the sum.
-        self.skip_unused = not spec.mlp_output_saved
+        # The experts' output only enters a sum (every MoE row so far): a checkpoint recompute, whose
+        # output is thrown away, skips the GLU, the down projection and the sum.
+        self.skip_unused = not spec.experts_output_saved
 
     def projections(self):
         """(gate_up, down) ``ExpertProjection``s for this call, or why the call stays stock."""

@@ -32,7 +32,8 @@ LAYERS = 2  # tiny_models' num_hidden_layers
 # RMSNorm modules per decoder layer (q/k norms included), plus the final norm.
 NORMS_PER_LAYER = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 4, "gemma": 2, "gemma2": 4,
                    "gemma3_text": 6, "phi3": 2, "granite": 2, "olmo2": 4, "olmo3": 4, "ministral": 2, "smollm3": 2,
-                   "glm4": 4, "ernie4_5": 2, "hunyuan_v1_dense": 4, "qwen3_5_text": 3}  # Qwen3.5: q/k norms in its attention layer only
+                   "glm4": 4, "ernie4_5": 2, "hunyuan_v1_dense": 4,
+                   "qwen3_5_text": 3}  # Qwen3.5: q/k norms in its one attention layer only
 # GLM-4 and ERNIE 4.5 rotate interleaved pairs with their own function: their attention carries the
 # LoRA hooks only ("attention_hook"), and the report says why RoPE stays stock.
 OWN_ROPE = set(OWN_ROPE_TYPES)

@@ -30,7 +30,8 @@ EXTRA = {
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
     "olmo2": dict(pad_token_id=0, eos_token_id=2),
     # OLMo 3: a sliding layer whose window (8) is shorter than the test prompts (16 tokens).
-    "olmo3": dict(pad_token_id=0, eos_token_id=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(pad_token_id=0, eos_token_id=2, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"]),
     "smollm3": dict(pad_token_id=0, no_rope_layers=[1, 1]),  # llama.cpp's NoPE layer is every 4th (SMOLLM3_NOPE)
     "glm4": dict(pad_token_id=0, attention_bias=True),
     "hunyuan_v1_dense": dict(pad_token_id=0),
