@@ -29,6 +29,7 @@ import numpy as np
 
 from . import gguf_moe_arch as moe
 from . import gguf_qwen35 as qwen35
+from . import gguf_qwen35moe as qwen35moe
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def _common(w, cfg: dict[str, Any], arch: str) -> None:
     w.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if arch != "qwen35moe" or cfg.get("intermediate_size") is not None:  # Qwen3.5-MoE has no dense MLP (optional key)
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(cfg.get("num_key_value_heads") or n_head)
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
@@ -201,6 +203,11 @@ def _meta_qwen35(w, cfg):
     qwen35.metadata(w, cfg, rope_settings(cfg))
 
 
+def _meta_qwen35moe(w, cfg):
+    _meta_qwen35(w, cfg)
+    qwen35moe.metadata(w, cfg)
+
+
 def _meta_llama_moe(w, cfg):
     _meta_llama(w, cfg)
     moe.meta_experts(w, cfg)
@@ -232,8 +239,10 @@ def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False)
     _rope_kind(arch, rope_settings(cfg))  # a RoPE scaling llama.cpp cannot be told, before any tensor is read
     if arch == "smollm3":
         _check_smollm3(cfg)
-    if arch == "qwen35":
+    if arch in qwen35.ARCHS:
         qwen35.check_config(cfg)
+    if arch == "qwen35moe":
+        qwen35moe.check_config(cfg)
     if arch == "ernie4_5" and cfg.get("use_bias"):
         raise ValueError("ernie4_5 GGUF: llama.cpp's ERNIE 4.5 graph has no projection biases (use_bias=True; "
                          "the released ERNIE 4.5 models have none)")
@@ -291,6 +300,7 @@ ARCHS: dict[str, ArchSpec] = {
     "ernie4_5": ArchSpec("ernie4_5"),
     "hunyuan-dense": ArchSpec("hunyuan-dense"),  # q/k norms after RoPE (attn_q_norm / attn_k_norm)
     "qwen35": ArchSpec("qwen35", norm_shift=1.0, metadata=_meta_qwen35),  # gguf_qwen35.py
+    "qwen35moe": ArchSpec("qwen35moe", norm_shift=1.0, metadata=_meta_qwen35moe),  # gguf_qwen35moe.py
 }
 
 
@@ -307,26 +317,30 @@ def transform(arch: str, hf_name: str, data: np.ndarray, cfg: dict[str, Any]) ->
         data = permute_rows(data, cfg["num_attention_heads"])
     elif spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
         data = permute_rows(data, cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-    if spec.norm_shift and hf_name.endswith("norm.weight") and not (arch == "qwen35"
+    if spec.norm_shift and hf_name.endswith("norm.weight") and not (arch in qwen35.ARCHS
                                                                      and hf_name.endswith(qwen35.PLAIN_NORM)):
         data = data + np.float32(spec.norm_shift)
-    return qwen35.transform(hf_name, data, cfg) if arch == "qwen35" else data
+    if arch in qwen35.ARCHS:
+        data = qwen35.transform(hf_name, data, cfg)
+    return qwen35moe.transform(hf_name, data) if arch == "qwen35moe" else data
 
 
 def tensor_key(arch: str, hf_name: str) -> str:
     """The key the name map knows for ``hf_name`` (llama.cpp's names for the same tensor)."""
     key = moe.name_map_key(hf_name)
-    return qwen35.name_key(key) if arch == "qwen35" else key
+    return qwen35.name_key(key) if arch in qwen35.ARCHS else key
 
 
 def tensor_shape(arch: str, hf_name: str, hf_shape) -> tuple:
     """The GGUF tensor's shape (row-major, as transformers'), after ``transform``."""
-    return qwen35.shape(hf_name, hf_shape) if arch == "qwen35" else tuple(hf_shape)
+    if arch == "qwen35moe":
+        hf_shape = qwen35moe.shape(hf_name, hf_shape)
+    return qwen35.shape(hf_name, hf_shape) if arch in qwen35.ARCHS else tuple(hf_shape)
 
 
 def tensor_name(arch: str, mapped: str) -> str:
     """The GGUF name of a mapped key (llama.cpp reads Qwen3.5's ``ssm_a`` without a suffix)."""
-    if arch == "qwen35" and mapped.endswith(".ssm_a"):
+    if arch in qwen35.ARCHS and mapped.endswith(".ssm_a"):
         return mapped
     return moe.gguf_tensor_name(mapped)
 

@@ -10,6 +10,8 @@ Learned from llama.cpp's converter and loader, not copied from them, and checked
   part of in_proj_qkv and conv1d, in_proj_z/b/a, A_log, dt_bias, out_proj's columns) is reordered.
 - Qwen3.5's RMSNorms scale by (1 + w): 1 is added to every norm weight but the gated delta rule's own
   output norm (``linear_attn.norm``, a plain weight).
+- llama.cpp's loader sizes the value heads by ``ssm.state_size`` (the key head width): a config whose value
+  heads are wider or narrower fails to load there ("wrong shape"), so it is refused.
 - Keys: the SSM sizes of the gated delta rule, the interval of its full-attention layers, and the
   rotary sections (a text position rotates every section alike).
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+ARCHS = ("qwen35", "qwen35moe")  # llama.cpp's arches with these layers (qwen35moe adds experts: gguf_qwen35moe.py)
 PLAIN_NORM = "linear_attn.norm.weight"  # Qwen3_5RMSNormGated: no (1 + w)
 
 
@@ -94,6 +97,10 @@ def _full_attention_interval(cfg: dict[str, Any]) -> int:
 def check_config(cfg: dict[str, Any]) -> None:
     _full_attention_interval(cfg)
     _value_head_order(cfg)
+    dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+    if dk != dv:  # llama.cpp sizes the delta rule's value heads by ssm.state_size, the key head width
+        raise ValueError(f"qwen35 GGUF: llama.cpp's loader gives the gated delta rule's value heads the key heads' "
+                         f"width; linear_value_head_dim={dv} differs from linear_key_head_dim={dk}")
 
 
 def metadata(w, cfg: dict[str, Any], rope: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """Every GGUF fasttune can write, loaded in llama.cpp (llama-cpp-python): the embedded demo's and the
 llama family's in all 17 types (8 quantised in Python, 9 K-quants through llama.cpp's quantizer),
-and every other family's, the MoE ones (qwen3_moe, mixtral, gpt_oss, olmoe, granitemoe) included, as
-F16, Q8_0 and Q4_0 (4/5-bit files keep an 8-bit output projection).
+and every other family's, the MoE ones (qwen3_moe, mixtral, gpt_oss, olmoe, granitemoe, glm4_moe) included, as
+F16, Q8_0 and Q4_0 (4/5-bit files keep an 8-bit output projection); Qwen3.5 and Qwen3.5-MoE as F32, F16, Q8_0.
 
 Each file is checked three ways:
 - tokenization: llama.cpp's ids equal transformers' on a few strings;
@@ -23,7 +23,7 @@ from fasttune import embedded
 from fasttune.export.gguf import K_QUANTS, PY_QUANTS, save_gguf
 from fasttune.export.gguf_moe_arch import gguf_tensor_name, name_map_key
 from helpers.gguf_models import (ARCH, FAMILIES, MOE, QWEN3_5, SMOLLM3_NOPE, family_tokenizer, gguf_model,
-                                 gguf_moe_model)
+                                 gguf_moe_model, gguf_qwen3_5_moe_model)
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF section)")
 
@@ -170,6 +170,27 @@ def test_qwen3_5_loads_in_llama_cpp(tmp_path):
     ref.file_logits = lambda path: ref.live  # so both errors are the live one...
     failed = [f for quant, path in zip(quants, save_gguf(model, tok, tmp_path, quants)) for f in ref.check(path, quant)]
     assert not [f for f in failed if f[2] > LIVE_TOL[f[1]]], failed  # ...judged by the live bound
+
+
+# Qwen3.5-MoE at tiny_models' widths (hidden 96, 16-wide delta-rule heads), relative L2 error against the live
+# model as measured with ~1.7x margin (LoRA-merged: F32 4.6e-6, F16 8.5e-3, Q8_0 0.118). Most of the F16 error
+# is the weights' own rounding (6.9e-3 with the file's weights in F32); at Q8_0 it is llama.cpp's 8-bit
+# activations (0.12 against the file's weights in F32, the weights alone 0.035); the dense Qwen3.5 at these
+# widths has the same Q8_0 error (0.11). F32 is the check of the layout.
+QWEN3_5_MOE_TOL = {"f32": 1e-4, "f16": 1.5e-2, "q8_0": 0.2}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora-merged"])
+def test_qwen3_5_moe_loads_in_llama_cpp(lora, tmp_path):
+    """llama.cpp's qwen35moe: Qwen3.5's layers (as test_qwen3_5_loads_in_llama_cpp) with routed experts split into
+    ffn_{gate,up,down}_exps and the sigmoid-gated shared expert (its gate a vector); with LoRA merged on every
+    linear layer and on the experts. Judged against the live model only, as Qwen3.5 is."""
+    model, tok = gguf_qwen3_5_moe_model(lora=lora), family_tokenizer("qwen3_5_moe_text")
+    quants = ("f32", "f16", "q8_0")
+    ref = Reference(model, tok, "qwen3_5_moe_text")
+    ref.file_logits = lambda path: ref.live
+    failed = [f for quant, path in zip(quants, save_gguf(model, tok, tmp_path, quants)) for f in ref.check(path, quant)]
+    assert not [f for f in failed if f[2] > QWEN3_5_MOE_TOL[f[1]]], failed
 
 
 def test_smollm3_nope_layer_loads_in_llama_cpp(tmp_path):

@@ -110,11 +110,31 @@ EXPERTS_AT = {"granitemoe": "block_sparse_moe.experts"}
 
 def gguf_moe_model(family: str, **overrides):
     """A tiny random MoE model with LoRA on attention and on the stacked experts, in eval mode."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(family, **{**MOE_DIMS, **MOE[family][1], **overrides})
+    return _random_moe_lora(cfg, EXPERTS_AT.get(family, "mlp.experts"), ["q_proj", "v_proj"])
+
+
+def gguf_qwen3_5_moe_model(lora: bool = True, **overrides):
+    """The tiny Qwen3.5-MoE of ``tiny_models`` (a gated-delta-rule layer, then a gated full-attention one, each
+    with 4 routed experts and a sigmoid-gated shared expert; 4 value heads over 2 key heads), random weights as
+    ``gguf_moe_model``'s; with ``lora``, LoRA on every linear layer (the delta rule's projections, the shared
+    expert and its gate included) and on the stacked experts, so the merge of each matters. Eval mode."""
+    from .tiny_models import tiny_config
+
+    # no intermediate_size, as the released configs (tiny_models' shared 200 is a stray attribute for this type)
+    cfg = tiny_config("qwen3_5_moe_text", **{"intermediate_size": None, **overrides})
+    return _random_moe_lora(cfg, "mlp.experts", "all-linear" if lora else None)
+
+
+def _random_moe_lora(cfg, at: str, target_modules):
+    """The model of ``cfg`` with random weights (random norms, the gpt-oss sinks and GLM-4.5's selection bias far
+    from 0) and LoRA (random B) on ``target_modules`` and the stacked experts under ``at`` (None: no LoRA)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **{**MOE_DIMS, **MOE[family][1], **overrides})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,7 +147,8 @@ def gguf_moe_model(family: str, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert-choice bias: it must matter
                 b.normal_(0.0, 0.2)
-    at = EXPERTS_AT.get(family, "mlp.experts")
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+    if target_modules is None:
+        return model.eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False,
                       target_parameters=[f"{at}.gate_up_proj", f"{at}.down_proj"])
     return get_peft_model(model, lora).eval()
