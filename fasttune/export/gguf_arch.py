@@ -10,6 +10,11 @@ from llama.cpp's converter and loader (``src/models/<arch>.cpp``), not copied fr
   llama.cpp: no permutation.
 - smollm3: llama.cpp skips RoPE in every fourth layer (il + 1 ≡ 0 mod 4) and reads no layer list, so
   a config whose ``no_rope_layers`` says otherwise is refused.
+- exaone4: NEOX RoPE (no permutation), q/k norms before it, OLMo2's post-norms under their own names. llama.cpp
+  runs the sliding window (the per-layer pattern from the file) with NoPE full-attention layers only in 64-layer
+  models, as transformers does wherever ``sliding_window`` is set, and rotates every layer with full attention at
+  any other depth, as transformers does without a window: the other two combinations are refused. Llama 3 RoPE
+  (the released models') is written as ``rope_freqs``, as for llama.
 - Gemma RMSNorms scale by (1 + w); llama.cpp multiplies by the stored weight, so 1 is added to
   every ``*norm.weight`` (q/k norms included for Gemma 3).
 - gemma/gemma2 always read the output projection from ``token_embd`` (tied); olmo2 requires an
@@ -100,11 +105,14 @@ def _common(w, cfg: dict[str, Any], arch: str) -> None:
     _rope_scaling(w, cfg, rope, arch)
 
 
+LLAMA3_ARCHS = ("llama", "exaone4")  # arches whose graph reads Llama 3's RoPE frequency factors (rope_freqs)
+
+
 def _rope_kind(arch: str, rope: dict[str, Any]) -> str:
     """The config's RoPE type, or ValueError when llama.cpp's ``arch`` cannot be told it."""
     kind = str(rope.get("rope_type") or "default").lower()
     if not (kind in ("default", "linear", "yarn") or (kind == "mrope" and arch == "qwen2vl")
-            or (kind == "llama3" and arch == "llama") or (kind in ("longrope", "su") and arch == "phi3")):
+            or (kind == "llama3" and arch in LLAMA3_ARCHS) or (kind in ("longrope", "su") and arch == "phi3")):
         raise ValueError(f"RoPE type {kind!r} is not supported for GGUF arch {arch!r}")
     return kind
 
@@ -183,6 +191,13 @@ def _meta_olmo2(w, cfg):
             w.add_sliding_window_pattern(pattern)
 
 
+def _meta_exaone4(w, cfg):
+    if cfg.get("sliding_window") is not None:
+        w.add_sliding_window(int(cfg["sliding_window"]))
+        if (pattern := _swa_pattern(cfg)) is not None:
+            w.add_sliding_window_pattern(pattern)
+
+
 def _meta_qwen2vl(w, cfg):
     """Qwen2-VL's 3-D RoPE: the frequency pairs split into temporal/height/width sections (llama.cpp
     takes four, the last one 0); text-only positions rotate every section alike, as Qwen2 does."""
@@ -230,6 +245,40 @@ def _check_smollm3(cfg: dict[str, Any]) -> None:
                          f"{SMOLLM3_NOPE_STEP}th layer without), this config's no_rope_layers is {got}")
 
 
+EXAONE4_SWA_LAYERS = 64  # llama.cpp runs EXAONE 4's sliding-window graph for 64-layer models (EXAONE 4.0 32B) only
+
+
+def _check_exaone4(cfg: dict[str, Any]) -> None:
+    """llama.cpp's exaone4 graph: sliding-window layers rotate and the others are NoPE, but only in a 64-layer
+    model (whose window and per-layer pattern it then reads from the file); any other depth runs every layer
+    rotated with full attention. transformers rotates only the sliding layers wherever ``sliding_window`` is set."""
+    layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if window is not None and layers != EXAONE4_SWA_LAYERS:
+        raise ValueError(
+            f"exaone4 GGUF: this config has sliding_window={window}, so transformers runs its sliding_attention "
+            f"layers with that window and its full_attention layers without RoPE; llama.cpp's EXAONE 4 graph does so "
+            f"only for {EXAONE4_SWA_LAYERS}-layer models and runs these {layers} layers all rotated with full "
+            "attention. Only a config without a sliding window (every layer rotated, full attention) converts at "
+            "this depth")
+    if window is None and layers == EXAONE4_SWA_LAYERS:
+        raise ValueError(
+            f"exaone4 GGUF: llama.cpp gives every {EXAONE4_SWA_LAYERS}-layer EXAONE 4 the 32B's sliding window (4096 "
+            "tokens on three layers of four, the fourth without RoPE), and this config has no sliding window "
+            "(every layer rotated, full attention in transformers)")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise ValueError(f"exaone4 GGUF: llama.cpp's EXAONE 4 loader needs num_attention_heads * head_dim == "
+                         f"hidden_size (its output projection is square), got {cfg['num_attention_heads']} * "
+                         f"{head_dim} != {cfg['hidden_size']}")
+    if str(cfg.get("hidden_act")) not in ("silu", "swish"):
+        raise ValueError(f"exaone4 GGUF: llama.cpp's EXAONE 4 graph has a SiLU-gated MLP, this config's hidden_act "
+                         f"is {cfg.get('hidden_act')!r}")
+    partial = rope_settings(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(f"exaone4 GGUF: llama.cpp's EXAONE 4 graph rotates whole heads, this config's "
+                         f"partial_rotary_factor is {partial}")
+
+
 def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False) -> None:
     """ValueError for a config the arch's llama.cpp graph cannot represent (before any tensor is read).
 
@@ -239,6 +288,8 @@ def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False)
     _rope_kind(arch, rope_settings(cfg))  # a RoPE scaling llama.cpp cannot be told, before any tensor is read
     if arch == "smollm3":
         _check_smollm3(cfg)
+    if arch == "exaone4":
+        _check_exaone4(cfg)
     if arch in qwen35.ARCHS:
         qwen35.check_config(cfg)
     if arch == "qwen35moe":
@@ -299,6 +350,7 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4": ArchSpec("glm4"),  # post-attention / post-MLP norms, fused gate_up, partial interleaved RoPE
     "ernie4_5": ArchSpec("ernie4_5"),
     "hunyuan-dense": ArchSpec("hunyuan-dense"),  # q/k norms after RoPE (attn_q_norm / attn_k_norm)
+    "exaone4": ArchSpec("exaone4", metadata=_meta_exaone4),  # post-norms, q/k norms, NoPE full layers with a window
     "qwen35": ArchSpec("qwen35", norm_shift=1.0, metadata=_meta_qwen35),  # gguf_qwen35.py
     "qwen35moe": ArchSpec("qwen35moe", norm_shift=1.0, metadata=_meta_qwen35moe),  # gguf_qwen35moe.py
 }
@@ -349,7 +401,7 @@ def extra_tensors(arch: str, cfg: dict[str, Any]) -> list[tuple[str, np.ndarray]
     """Tensors llama.cpp needs that the checkpoint does not hold (RoPE frequency factors)."""
     rope = rope_settings(cfg)
     kind = str(rope.get("rope_type") or "default").lower()
-    if arch == "llama" and kind == "llama3":
+    if arch in LLAMA3_ARCHS and kind == "llama3":
         hd = head_dim(cfg)
         freqs = 1.0 / (float(rope["rope_theta"]) ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         factor = float(rope.get("factor", 8.0))

@@ -3,9 +3,10 @@
 One forward for every family of the table, driven by the family's row: the projections (separate
 q/k/v or Phi-3's fused ``qkv_proj``), the optional q/k norm ("head": over each head, Qwen3 /
 Gemma 3; "full": over the whole projection, OLMo2; after RoPE: Hunyuan), Qwen3.5's per-head output
-gate, RoPE (skipped in a layer whose ``rope_flag`` attribute is false, SmolLM3's NoPE layers; the
-family's own rotation where its pairs are interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the
-attention function transformers selects for ``config._attn_implementation`` (eager: the family's own
+gate, RoPE (skipped in a layer whose ``rope_flag`` attribute is false, SmolLM3's NoPE layers, and EXAONE 4's
+full-attention layers where its ``rope_flag_when`` attribute, the window, is set; the family's own rotation
+where its pairs are interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the attention function
+transformers selects for ``config._attn_implementation`` (eager: the family's own
 ``eager_attention_forward``, so Gemma 2's soft-cap stays), and the output projection. The
 extra keyword arguments a family passes to the attention function (sliding window, soft-cap)
 come from ``FamilySpec.attention_kwargs``.
@@ -111,6 +112,7 @@ class FastAttentionForward(PatchedForward):
         self.cache_kwargs = cache_kwargs  # 5.24 passes the call's kwargs to cache.update
         self.half_cos = spec.rope_half_cos
         self.rope_flag = spec.rope_flag  # SmolLM3: a NoPE layer's module says use_rope = 0
+        self.rope_flag_when = spec.rope_flag_when  # EXAONE 4: is_sliding decides only where a window is set
         self.output_gate = spec.output_gate  # Qwen3.5: q_proj yields [q_h | g_h] per head
 
     def _rope(self, q, k, cos, sin):
@@ -135,11 +137,15 @@ class FastAttentionForward(PatchedForward):
         return self.stock_rope(q, k, cos, sin)
 
     def _extra_kwargs(self, module):
-        extra = {}
-        for name, source in self.attention_kwargs:
-            where, attr = source.split(":", 1)
-            extra[name] = getattr(module if where == "module" else module.config, attr, None)
-        return extra
+        return {name: attention_kwarg(module, source) for name, source in self.attention_kwargs}
+
+    def _rotates(self, m) -> bool:
+        """Does this layer apply RoPE (the row's ``rope_flag`` / ``rope_flag_when``)?"""
+        if self.rope_flag is None:
+            return True
+        if self.rope_flag_when is not None and getattr(m, self.rope_flag_when) is None:
+            return True
+        return bool(getattr(m, self.rope_flag))
 
     def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *,
                  past_key_values=None, **kwargs):
@@ -188,7 +194,7 @@ class FastAttentionForward(PatchedForward):
             q, k = q_norm(q), k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-        if self.rope_flag is None or getattr(m, self.rope_flag):
+        if self._rotates(m):
             cos, sin = position_embeddings
             q, k = self._rope(q, k, cos, sin)
         if self.qk_norm == "head_after_rope":  # Hunyuan: over each rotated head
@@ -223,6 +229,22 @@ class FastAttentionForward(PatchedForward):
             if why is None:
                 return sink_flex_attention
         return attention_interface(self.functions, implementation, self.eager)
+
+
+def _kwarg_source(source: str) -> tuple[str, str, str | None]:
+    """("module" or "config", attribute, flag or None) of a ``FamilySpec.attention_kwargs`` source."""
+    where, attr = source.split(":", 1)
+    attr, _, flag = attr.partition("?")
+    return where, attr, flag or None
+
+
+def attention_kwarg(module: nn.Module, source: str):
+    """The value a ``FamilySpec.attention_kwargs`` source names for this attention module: "module:<attr>",
+    "config:<attr>", or "module:<attr>?<flag>" (the attribute where ``module.<flag>`` is true, else None)."""
+    where, attr, flag = _kwarg_source(source)
+    if flag is not None and not getattr(module, flag):
+        return None
+    return getattr(module if where == "module" else module.config, attr, None)
 
 
 def _why_not_sink_flex(implementation, q, attention_mask) -> str | None:
@@ -340,10 +362,13 @@ def check_attention(module: nn.Module, spec: FamilySpec, use_rope_kernel: bool =
         return f"the family row expects {q_norm}/{k_norm} ({spec.qk_norm}) and the module has none"
     if spec.rope_flag is not None and not hasattr(module, spec.rope_flag):
         return f"no `{spec.rope_flag}` attribute (whether this layer applies RoPE)"
+    if spec.rope_flag_when is not None and not hasattr(module, spec.rope_flag_when):
+        return f"no `{spec.rope_flag_when}` attribute (whether `{spec.rope_flag}` decides RoPE)"
     for name, source in spec.attention_kwargs:
-        where, attr = source.split(":", 1)
-        if where == "module" and not hasattr(module, attr):
-            return f"no `{attr}` attribute (passed to the attention function as `{name}`)"
+        where, attr, flag = _kwarg_source(source)
+        for needed in (attr, flag) if where == "module" else (flag,):
+            if needed is not None and not hasattr(module, needed):
+                return f"no `{needed}` attribute (passed to the attention function as `{name}`)"
     dtype = float_dtype(module)
     if use_rope_kernel and dtype is not None and dtype not in KERNEL_DTYPES:
         return f"parameters are {str(dtype).replace('torch.', '')}; the kernels take float32/float16/bfloat16"
@@ -422,5 +447,6 @@ def attention_forward(module: nn.Module) -> FastAttentionForward | None:
     return fwd if isinstance(fwd, FastAttentionForward) else None
 
 
-__all__ = ["FastAttentionForward", "attention_forward", "attention_interface", "check_attention", "float_dtype",
-           "patch_attention", "use_flex_for_sinks", "project_o", "project_qkv_fused", "project_qkv_separate"]
+__all__ = ["FastAttentionForward", "attention_forward", "attention_interface", "attention_kwarg", "check_attention",
+           "float_dtype", "patch_attention", "use_flex_for_sinks", "project_o", "project_qkv_fused",
+           "project_qkv_separate"]

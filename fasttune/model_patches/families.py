@@ -65,7 +65,9 @@ class FamilySpec:
             the module has q_norm/k_norm, GLM-4-MoE's config.use_qk_norm) or "full" (over the whole
             projection before the head split, OLMo2).
         attention_kwargs: extra keyword arguments the stock attention passes to the attention
-            function, as (name, source) with source "module:<attr>" or "config:<attr>".
+            function, as (name, source) with source "module:<attr>", "config:<attr>" or
+            "module:<attr>?<flag>" (the module's attribute where its ``<flag>`` attribute is true, else None:
+            EXAONE 4 keeps ``sliding_window`` on every layer and ``is_sliding`` says which layers use it).
         mlp_layout: "separate" (gate_proj/up_proj) or "fused" (gate_up_proj, gate first, Phi-3).
         activation_attrs: config attributes naming the MLP activation, first present wins.
         final_softcap_attr: config attribute of the final-logit soft-cap (Gemma 2/3), if any.
@@ -91,6 +93,10 @@ class FamilySpec:
             pairs, GLM-4 / ERNIE 4.5): those keep the family's own ``apply_rotary_pos_emb``, reported.
         rope_flag: attribute of the attention module saying whether this layer rotates q/k at all
             (SmolLM3's NoPE layers: ``use_rope``), or None where every layer does.
+        rope_flag_when: attribute of the attention module that puts ``rope_flag`` in force: where it is None,
+            every layer rotates whatever ``rope_flag`` says (EXAONE 4: with a ``sliding_window`` only the
+            ``is_sliding`` layers rotate and the full-attention ones are NoPE; without one, every layer rotates).
+            None: ``rope_flag`` always decides.
         qk_norm_attrs: the attention module's q and k norm attributes.
         output_gate: q_proj also yields a gate per head ([q_h | g_h], Qwen3.5's full-attention layers):
             the attention output is multiplied by sigmoid(g) before o_proj.
@@ -127,6 +133,7 @@ class FamilySpec:
     rope_half_cos: bool = False
     rope_layout: str = "halves"
     rope_flag: str | None = None
+    rope_flag_when: str | None = None
     qk_norm_attrs: tuple[str, str] = ("q_norm", "k_norm")
     output_gate: bool = False
     vision: VisionLayout | None = None
@@ -201,6 +208,13 @@ ERNIE4_5 = _row(LLAMA, "ernie4_5", "Ernie4_5", rope_layout="interleaved", gguf_a
 # Hunyuan dense: Llama's layer with per-head q/k norms applied after RoPE (query_layernorm / key_layernorm).
 HUNYUAN_V1_DENSE = _row(LLAMA, "hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="head_after_rope",
                         qk_norm_attrs=("query_layernorm", "key_layernorm"), gguf_arch="hunyuan-dense")
+# EXAONE 4: OLMo2's layer (no input norms; post_attention_layernorm / post_feedforward_layernorm on the branch
+# outputs) with Llama's norm casting and per-head q/k norms before RoPE. With config.sliding_window set, its
+# sliding layers rotate and its full-attention layers are NoPE (every module holds the window; is_sliding says
+# which layers use it); without one, every layer rotates with full attention.
+EXAONE4 = _row(OLMO2, "exaone4", "Exaone4", qk_norm="head", norm_casting="llama",
+               attention_kwargs=(("sliding_window", "module:sliding_window?is_sliding"),),
+               rope_flag="is_sliding", rope_flag_when="sliding_window", gguf_arch="exaone4")
 # Qwen3.5 (text): three of every four layers mix tokens with a gated delta rule (linear_attn, stock);
 # the others are Qwen3 attention with a per-head output gate, partial RoPE and (1 + w) norms in fp32.
 # Not pre-norm layers as residual.py runs them (a linear-attention layer calls linear_attn).
@@ -252,7 +266,7 @@ GEMMA3 = _row(GEMMA3_TEXT, "gemma3", "Gemma3", causal_lm_class="Gemma3ForConditi
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
-                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, QWEN3_5_TEXT,
+                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, EXAONE4, QWEN3_5_TEXT,
                  QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT,
                  QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }

@@ -85,7 +85,8 @@ def _expected_tensors(family, model):
         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-        "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2") else "post_attention_norm",
+        "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2", "exaone4")
+        else "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
         "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
         "self_attn.query_layernorm": "attn_q_norm", "self_attn.key_layernorm": "attn_k_norm",  # Hunyuan
@@ -343,6 +344,27 @@ def test_smollm3_nope_layers_llama_cpp_cannot_run_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"smollm3 GGUF: llama.cpp applies RoPE to layers \[1, 1\]"):
         save_gguf(odd, gguf_tokenizer("bpe"), tmp_path / "out")
     assert ft_gguf.gguf_refusal(gguf_model("smollm3").base_model.model.config) is None
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+     r"sliding_window=5.*only for 64-layer models and runs these 2 layers all rotated"),
+    (dict(num_hidden_layers=64, layer_types=["full_attention"] * 64, hidden_size=128, intermediate_size=256,
+          num_attention_heads=2, num_key_value_heads=1), r"every 64-layer EXAONE 4 the 32B's sliding window"),
+    (dict(head_dim=32), r"num_attention_heads \* head_dim == hidden_size.*4 \* 32 != 256"),
+    (dict(hidden_act="gelu"), r"SiLU-gated MLP, this config's hidden_act is 'gelu'"),
+], ids=["window_at_2_layers", "no_window_at_64_layers", "head_dim", "activation"])
+def test_exaone4_configs_llama_cpp_runs_otherwise_are_refused(overrides, why, tmp_path):
+    """llama.cpp runs EXAONE 4's window (NoPE full-attention layers) at 64 layers only, and every other depth
+    rotated with full attention; its output projection is square and its MLP SiLU. Each of these would load
+    and give other logits, or fail to load (head_dim): refused up front (gguf_refusal) and by save_gguf."""
+    model = gguf_model("exaone4", **overrides)
+    refusal = ft_gguf.gguf_refusal(model.base_model.model.config)
+    assert refusal is not None and refusal.startswith("exaone4 GGUF: ")
+    with pytest.raises(ValueError, match=why):
+        save_gguf(model, gguf_tokenizer("bpe"), tmp_path / "out")
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    assert ft_gguf.gguf_refusal(gguf_model("exaone4").base_model.model.config) is None
 
 
 def test_ernie4_5_projection_biases_llama_cpp_cannot_run_are_refused(tmp_path):

@@ -22,8 +22,8 @@ import gguf
 from fasttune import embedded
 from fasttune.export.gguf import K_QUANTS, PY_QUANTS, save_gguf
 from fasttune.export.gguf_moe_arch import gguf_tensor_name, name_map_key
-from helpers.gguf_models import (ARCH, FAMILIES, MOE, QWEN3_5, SMOLLM3_NOPE, family_tokenizer, gguf_model,
-                                 gguf_moe_model, gguf_qwen3_5_moe_model)
+from helpers.gguf_models import (ARCH, EXAONE4_LLAMA3, EXAONE4_SWA, FAMILIES, MOE, QWEN3_5, SMOLLM3_NOPE,
+                                 family_tokenizer, gguf_model, gguf_moe_model, gguf_qwen3_5_moe_model)
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF section)")
 
@@ -228,3 +228,29 @@ def test_the_embedded_demo_loads_in_llama_cpp_in_every_type(demo, tmp_path):
     assert reader.fields["tokenizer.ggml.merges"].contents() == ["Ġ ="]
     assert reader.fields["tokenizer.ggml.add_bos_token"].contents() is True
     _check_all(model, tok, "embedded", paths, PY_QUANTS + K_QUANTS)
+
+
+# EXAONE 4 at 64 layers (the depth llama.cpp needs for its window), relative L2 error as measured with ~1.5x margin
+# (live model / the file's weights): F32 2.7e-6 / 2.7e-6 (the layout and the per-layer RoPE/window check), F16
+# 3.3e-3 / 1.8e-3, Q8_0 9.0e-2 / 6.4e-2. Q8_0 is llama.cpp's 8-bit activations over 32x the layers of the other
+# families' models (the file's own weights account for it; the window, the RoPE type and the layer pattern do not
+# move it: 7.8e-2..8.6e-2 with each changed); 64-layer llama / qwen3 / olmo2 at these widths: 3.5e-2..5.0e-2.
+EXAONE4_DEEP_TOL = {"f32": (1e-4, 1e-4), "f16": (5e-3, 3e-3), "q8_0": (0.14, 0.1)}
+
+
+@pytest.mark.parametrize("overrides", [dict(rope_parameters=EXAONE4_LLAMA3), EXAONE4_SWA,
+                                       dict(EXAONE4_SWA, sliding_window_pattern=3)],
+                         ids=["no_window_llama3_rope", "sliding_64_layers", "sliding_64_layers_period_3"])
+def test_exaone4_loads_in_llama_cpp(overrides, tmp_path):
+    """llama.cpp's exaone4 as F32, F16 and Q8_0: without a window (every layer rotated, full attention), and the
+    32B's layout at tiny widths (64 layers, three of four sliding with a window shorter than the prompt, the
+    fourth NoPE), both with Llama 3 RoPE (its rope_freqs tensor); and two of three sliding, which only the file's
+    per-layer pattern tells llama.cpp (its default for 64 layers is the 32B's three of four)."""
+    model, tok = gguf_model("exaone4", **overrides), family_tokenizer("exaone4")
+    quants = ("f32", "f16", "q8_0")
+    paths = save_gguf(model, tok, tmp_path, quants)
+    if overrides.get("num_hidden_layers") != 64:
+        return _check_all(model, tok, "exaone4", paths, quants)
+    ref = Reference(model, tok, "exaone4")
+    failed = [f for quant, path in zip(quants, paths) for f in ref.check(path, quant)]
+    assert not [f for f in failed if f[2] > EXAONE4_DEEP_TOL[f[1]][0] or f[3] > EXAONE4_DEEP_TOL[f[1]][1]], failed

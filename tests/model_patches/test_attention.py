@@ -12,13 +12,13 @@ from torch import nn
 from transformers import DynamicCache
 
 from fasttune import FastConfig, patch_model
-from fasttune.model_patches.attention import (FastAttentionForward, attention_interface, check_attention,
-                                              patch_attention, project_qkv_fused)
+from fasttune.model_patches.attention import (FastAttentionForward, attention_interface, attention_kwarg,
+                                              check_attention, patch_attention, project_qkv_fused)
 from fasttune.model_patches.families import FAMILIES
 from fasttune.model_patches.families import resolve_classes
-from fasttune.model_patches.report import PatchReport
+from fasttune.model_patches.report import FUSED, PatchReport
 from helpers.compare import assert_grads_close, rel_err
-from helpers.tiny_models import FAMILY_TYPES, attention_layers, make_batch, tiny_model
+from helpers.tiny_models import FAMILY_CASES, attention_layers, make_batch, tiny_model
 
 # The generic attention (and MLP) forwards with the family's own apply_rotary_pos_emb and
 # activation, as installed for the LoRA hooks alone: they must be the stock computation, operation
@@ -30,7 +30,7 @@ def _attention_forwards(model):
     return [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), FastAttentionForward)]
 
 
-@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_generic_forward_is_the_stock_computation_bit_for_bit(model_type):
     stock = tiny_model(model_type, seed=1)
     fast = copy.deepcopy(stock)
@@ -145,6 +145,10 @@ def test_check_attention_reasons():
     qwen3 = tiny_model("qwen3", seed=9).model.layers[0].self_attn
     del qwen3.q_norm
     assert "q_norm" in check_attention(qwen3, FAMILIES["qwen3"])
+    for attr, why in (("is_sliding", "whether this layer applies RoPE"), ("sliding_window", "whether `is_sliding`")):
+        exaone4 = tiny_model("exaone4", seed=9).model.layers[0].self_attn
+        delattr(exaone4, attr)
+        assert f"no `{attr}` attribute ({why}" in check_attention(exaone4, FAMILIES["exaone4"])
 
     class Old(nn.Module):
         def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
@@ -162,6 +166,27 @@ def test_check_attention_reasons():
     assert "cache_position" in check_attention(Old(), spec)
     assert "position_embeddings" in check_attention(NoRope(), spec)
     assert "**kwargs" in check_attention(NoKwargs(), spec)
+
+
+@pytest.mark.parametrize("case, windows, rotating", [("exaone4", [8, None], [True, False]),
+                                                     ("exaone4_no_window", [None, None], [True, True])])
+def test_exaone4_window_and_rope_follow_is_sliding_only_where_a_window_is_set(case, windows, rotating):
+    """EXAONE 4 holds config.sliding_window on every attention module: the attention function gets it on the
+    sliding layers only (``module:sliding_window?is_sliding``), and with a window only those layers rotate
+    (``rope_flag`` is_sliding, in force where ``rope_flag_when`` sliding_window is set); the kernel runs there."""
+    model = tiny_model(case, seed=12)
+    report = patch_model(model, FastConfig())
+    seen = []
+    for fwd in _attention_forwards(model):
+        assert fwd._rotates(fwd.module) is rotating[fwd.module.layer_idx]
+        real = fwd.eager
+        fwd.eager = lambda m, *a, _real=real, **k: seen.append(k["sliding_window"]) or _real(m, *a, **k)
+    model(**make_batch(model.config.vocab_size, seed=13)).loss.backward()
+    assert seen == windows
+    assert report.calls["rope", FUSED] == sum(rotating)
+    attn = model.model.layers[1].self_attn
+    assert attention_kwarg(attn, "module:sliding_window") == model.config.sliding_window  # unconditional
+    assert attention_kwarg(attn, "module:sliding_window?is_sliding") is None  # a full-attention layer
 
 
 def test_missing_family_functions_and_classes_are_reported():

@@ -242,6 +242,21 @@ def test_with_every_kernel_patched_too():
     _assert_same(results[1], results[0])
 
 
+@pytest.mark.parametrize("model_type", ["exaone4", "exaone4_no_window"])
+def test_offload_with_every_kernel_and_fused_lora_on_post_norm_layers(model_type):
+    """EXAONE 4's post-norm layers (the MLP's output is saved for its norm's backward; with a window, a NoPE
+    full-attention layer): offload with every kernel and the fused LoRA on gives the gradients of the same
+    patched model without checkpointing."""
+    results = []
+    for mode in (None, "offload"):
+        model = _model(model_type, lora=True, vocab_size=1000)
+        report = patch_model(model, FastConfig(checkpointing=mode))
+        results.append(_step(model, make_batch(model.config.vocab_size, seed=4)))
+    assert report.patched["lora_mlp"] == report.patched["rope"] == 2, str(report)
+    assert layer_checkpointing(model).checkpointer.stats.packed == 2
+    _assert_same(results[1], results[0])
+
+
 def test_training_forward_with_a_cache(device):
     """use_cache=True in training: a checkpointed layer gets cache=None (the recompute must not write twice)."""
     _, ref = _run("stock", "llama", device, step_kw=dict(use_cache=True))

@@ -35,9 +35,11 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     assert spec.norm_casting in ("llama", "gemma")
     assert spec.qk_norm in (None, "head", "head_after_rope", "head_optional", "full") and len(spec.qk_norm_attrs) == 2
     assert spec.rope_layout in ("halves", "interleaved") and (spec.rope_flag is None or isinstance(spec.rope_flag, str))
+    assert spec.rope_flag_when is None or (spec.rope_flag is not None and isinstance(spec.rope_flag_when, str))
     assert spec.qkv_layout in ("separate", "fused") and spec.mlp_layout in ("separate", "fused")
     for _, source in spec.attention_kwargs:
-        assert source.split(":")[0] in ("module", "config")
+        where, attr = source.split(":")
+        assert where in ("module", "config") and attr.count("?") <= 1
     assert spec.gguf_arch
 
 

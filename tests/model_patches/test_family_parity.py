@@ -25,14 +25,14 @@ from peft import LoraConfig, get_peft_model
 from fasttune import FastConfig, patch_model, unpatch_model
 from helpers.compare import assert_grads_close, assert_grads_close_judging_ill_conditioned, rel_err
 from helpers.spies import model_patch_counts
-from helpers.tiny_models import (FAMILY_TYPES, OWN_ROPE_TYPES, attention_layers, make_batch, stock_fallback_ops,
-                                 tiny_model)
+from helpers.tiny_models import (FAMILY_CASES, OWN_ROPE_TYPES, attention_layers, family_type, make_batch,
+                                 stock_fallback_ops, tiny_model)
 
 LAYERS = 2  # tiny_models' num_hidden_layers
 # RMSNorm modules per decoder layer (q/k norms included), plus the final norm.
 NORMS_PER_LAYER = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 4, "gemma": 2, "gemma2": 4,
                    "gemma3_text": 6, "phi3": 2, "granite": 2, "olmo2": 4, "olmo3": 4, "ministral": 2, "smollm3": 2,
-                   "glm4": 4, "ernie4_5": 2, "hunyuan_v1_dense": 4,
+                   "glm4": 4, "ernie4_5": 2, "hunyuan_v1_dense": 4, "exaone4": 4,
                    "qwen3_5_text": 3}  # Qwen3.5: q/k norms in its one attention layer only
 # GLM-4 and ERNIE 4.5 rotate interleaved pairs with their own function: their attention carries the
 # LoRA hooks only ("attention_hook"), and the report says why RoPE stays stock.
@@ -48,7 +48,8 @@ PRE_NORM_LAYERS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "ministral", "
                    "hunyuan_v1_dense"}
 
 
-def expected_counts(model_type: str) -> dict[str, int]:
+def expected_counts(case: str) -> dict[str, int]:
+    model_type = family_type(case)
     counts = {"rms_norm": LAYERS * NORMS_PER_LAYER[model_type] + 1,
               ("attention_hook" if model_type in OWN_ROPE else "rope"): attention_layers(model_type),
               "mlp": LAYERS, "cross_entropy": 1}
@@ -76,7 +77,7 @@ def _lora(model):
     return get_peft_model(model, config)
 
 
-@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_full_finetune_parity_and_unpatch(model_type, device):
     stock = tiny_model(model_type, seed=1).to(device)
     fast = copy.deepcopy(stock)
@@ -100,7 +101,7 @@ def test_full_finetune_parity_and_unpatch(model_type, device):
     assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
 
 
-@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_lora_parity(model_type, device):
     stock = _lora(tiny_model(model_type, seed=2).to(device))
     fast = copy.deepcopy(stock)
@@ -151,7 +152,8 @@ def test_gradient_accumulation_matches_one_batch(device):
     assert_grads_close(fast, stock, 1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "smollm3", "glm4", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "smollm3", "glm4", "exaone4", "exaone4_no_window",
+                                        "qwen3_5_text"])
 def test_greedy_generation_with_cache_matches_stock(model_type, device):
     stock = tiny_model(model_type, seed=4).to(device)
     fast = copy.deepcopy(stock)
@@ -211,12 +213,13 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
 
 
 @pytest.mark.slow  # 10–30 s each on 2 CPU cores (the interpreter runs ~60 launches per step)
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "glm4", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "glm4", "exaone4", "exaone4_no_window",
+                                        "qwen3_5_text"])
 def test_bf16_training_curve_within_bf16_noise(model_type, device):
     _bf16_curves_agree(model_type, steps=20, device=device)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_bf16_training_curve_50_steps_gpu(model_type):
     _bf16_curves_agree(model_type, steps=50, device="cuda")

@@ -28,7 +28,7 @@ import torch
 
 from fasttune import FastConfig, patch_model
 from helpers.compare import rel_err
-from helpers.tiny_models import FAMILY_TYPES, OWN_ROPE_TYPES, stock_fallback_ops, tiny_model
+from helpers.tiny_models import FAMILY_CASES, OWN_ROPE_TYPES, family_type, stock_fallback_ops, tiny_model
 
 PAD = 0
 NEW_TOKENS = 3
@@ -47,7 +47,7 @@ def _left_padded_prompts(vocab_size: int, lengths=(6, 3), seed: int = 40, device
     return ids.to(device), mask.to(device)
 
 
-@pytest.fixture(scope="module", params=FAMILY_TYPES)
+@pytest.fixture(scope="module", params=FAMILY_CASES)
 def pair(request):
     """(stock, patched) eval-mode copies of one tiny model of the family."""
     model_type = request.param
@@ -56,7 +56,7 @@ def pair(request):
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     assert [f.op for f in report.fallbacks] == stock_fallback_ops(request.param), str(report)
-    own_rope = request.param in OWN_ROPE_TYPES  # their own rotation: the attention carries the hooks only
+    own_rope = family_type(request.param) in OWN_ROPE_TYPES  # their own rotation: the attention carries the hooks only
     assert {"rms_norm", "attention_hook" if own_rope else "rope", "mlp", "cross_entropy"} <= set(report.patched), \
         str(report)
     return stock, fast

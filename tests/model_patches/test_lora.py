@@ -35,7 +35,7 @@ from fasttune.model_patches.mlp import FastMLPForward
 from fasttune.model_patches import patch_report
 from helpers.compare import assert_grads_close, rel_err
 from helpers.spies import count_fused_lora
-from helpers.tiny_models import FAMILY_TYPES, attention_layers, make_batch, stock_fallback_ops, tiny_model
+from helpers.tiny_models import FAMILY_CASES, attention_layers, family_type, make_batch, stock_fallback_ops, tiny_model
 
 LAYERS = 2
 VOCAB = 1000
@@ -98,7 +98,8 @@ def spy(monkeypatch):
 def fused_calls_per_forward(model_type) -> int:
     """Fused Function calls per forward: qkv, o per attention layer, mlp per layer; a fused gate_up MLP
     (Phi-3, GLM-4) is two lora_linear."""
-    return 2 * attention_layers(model_type) + LAYERS * (2 if FAMILIES[model_type].mlp_layout == "fused" else 1)
+    return 2 * attention_layers(model_type) + LAYERS * (2 if FAMILIES[family_type(model_type)].mlp_layout == "fused"
+                                                        else 1)
 
 
 def step(model, batch, seed=0):
@@ -132,7 +133,7 @@ def logits(model, batch):
 # --- parity --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+@pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_every_family_matches_peft_and_unpatches(model_type, device, spy):
     stock, fast, report = stock_and_fast(model_type, device, seed=2)
     attn = attention_layers(model_type)
@@ -148,8 +149,9 @@ def test_every_family_matches_peft_and_unpatches(model_type, device, spy):
     assert torch.equal(logits(fast, batch), logits(stock, batch))
 
 
-# SwiGLU, q/k/v bias, GeGLU, fused gate/up; GLM-4: fused with post-norms; Qwen3.5: q_proj with its gate
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma", "phi3", "glm4", "qwen3_5_text"])
+# SwiGLU, q/k/v bias, GeGLU, fused gate/up; GLM-4: fused with post-norms; Qwen3.5: q_proj with its gate;
+# EXAONE 4: post-norms, a NoPE layer
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma", "phi3", "glm4", "qwen3_5_text", "exaone4"])
 def test_nf4_qlora_matches_peft(model_type, device, spy):
     stock, fast, report = stock_and_fast(model_type, device, seed=3, nf4=True)
     attn = attention_layers(model_type)

@@ -14,12 +14,12 @@ import torch
 from .tiny_tokenizers import bpe_tokenizer, sp_tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-            "olmo3", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense")
+            "olmo3", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "exaone4")
 # GGUF architecture when it is not the model_type
 ARCH = {"mistral": "llama", "gemma3_text": "gemma3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense"}
 ROTARY = {"glm4": 0.5}  # partial_rotary_factor where not 1 (GLM-4's config default)
 SP_FAMILIES = {"mistral", "gemma", "gemma2", "gemma3_text"}  # SentencePiece-style vocabularies
-TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3", "ernie4_5"}
+TIED = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3", "ernie4_5", "exaone4"}
 EXTRA = {
     "mistral": dict(sliding_window=None),
     "qwen2": dict(use_sliding_window=False),
@@ -36,7 +36,18 @@ EXTRA = {
     "glm4": dict(pad_token_id=0, attention_bias=True),
     "hunyuan_v1_dense": dict(pad_token_id=0),
     "ernie4_5": dict(pad_token_id=0),  # no biases: llama.cpp's graph has none (refused, test_gguf.py)
+    # EXAONE 4 without a window (as the 1.2B): every layer rotated, full attention; llama.cpp runs the window
+    # only at 64 layers (EXAONE4_SWA), and refuses it at this depth (test_gguf.py)
+    "exaone4": dict(pad_token_id=0, sliding_window=None, layer_types=["full_attention"] * 2),
 }
+# EXAONE 4 as the 32B is built, at tiny widths: 64 layers (the only depth at which llama.cpp runs the window),
+# three sliding layers of four with a window of 5 (shorter than the test prompts) and NoPE full-attention layers,
+# Llama 3 RoPE (frequency factors written as rope_freqs; a short original context so they matter), untied.
+EXAONE4_LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=64)
+EXAONE4_SWA = dict(num_hidden_layers=64, sliding_window=5, sliding_window_pattern=4, layer_types=None,
+                   hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                   tie_word_embeddings=False, rope_parameters=EXAONE4_LLAMA3)
 # SmolLM3 as llama.cpp runs it: four layers, the fourth without RoPE.
 SMOLLM3_NOPE = dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
 # Qwen3.5 (llama.cpp qwen35): a gated-delta-rule layer, then a full-attention one (llama.cpp needs at least

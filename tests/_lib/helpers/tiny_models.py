@@ -6,7 +6,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "qwen3_5_text")
+                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "exaone4", "qwen3_5_text")
+# A family whose layers compute something else under another config gets a second tiny model here, which
+# the parity tests run as they run FAMILY_TYPES (FAMILY_CASES): case name → (model_type, config extras).
+# EXAONE 4 without a sliding window: every layer rotates (with one, its full-attention layers are NoPE).
+VARIANTS = {"exaone4_no_window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 2))}
+FAMILY_CASES = FAMILY_TYPES + tuple(VARIANTS)
 # Families whose q/k rotate in interleaved pairs: their own apply_rotary_pos_emb runs (a "rope" fallback).
 OWN_ROPE_TYPES = ("glm4", "ernie4_5")
 # Softmax-attention layers of the two-layer tiny model where not both (Qwen3.5's first layer mixes
@@ -14,12 +19,19 @@ OWN_ROPE_TYPES = ("glm4", "ernie4_5")
 ATTENTION_LAYERS = {"qwen3_5_text": 1, "qwen3_5_moe_text": 1}
 
 
+def family_type(case: str) -> str:
+    """The model_type of a FAMILY_CASES entry (a family's own name, or a VARIANTS name)."""
+    return VARIANTS[case][0] if case in VARIANTS else case
+
+
 def attention_layers(model_type: str) -> int:
-    return ATTENTION_LAYERS.get(model_type, 2)
+    return ATTENTION_LAYERS.get(family_type(model_type), 2)
 
 
 def stock_fallback_ops(model_type: str) -> list[str]:
-    """The ops a fully patched tiny model of ``model_type`` reports as fallbacks (FastConfig()), in order."""
+    """The ops a fully patched tiny model of ``model_type`` (or a VARIANTS case) reports as fallbacks
+    (FastConfig()), in order."""
+    model_type = family_type(model_type)
     if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         return ["rms_norm", "rope"]  # the gated delta rule's RMSNormGated; the layer without self_attn
     return ["rope"] if model_type in OWN_ROPE_TYPES else []
@@ -52,6 +64,8 @@ _EXTRA = {
     "smollm3": dict(pad_token_id=0, no_rope_layers=[1, 0], tie_word_embeddings=True),
     "glm4": dict(pad_token_id=0, attention_bias=True),
     "ernie4_5": dict(pad_token_id=0, use_bias=True, tie_word_embeddings=True),
+    # EXAONE 4 with a window shorter than the test batches: the sliding layer rotates, the full one is NoPE.
+    "exaone4": dict(pad_token_id=0, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     # Qwen3.5: a gated-delta-rule layer (stock) then a gated full-attention layer; partial RoPE over 12
     # of 24 dims in 3-D sections (one position per token in text: the sections rotate alike).
     "qwen3_5_text": dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"],
@@ -85,15 +99,17 @@ _EXTRA.update({
 
 
 def tiny_config(model_type: str, **overrides):
-    """A tiny random config of ``model_type`` (attention on the eager path for exact parity)."""
-    kwargs = {**_BASE, **_EXTRA.get(model_type, {}), **overrides}
+    """A tiny random config of ``model_type`` or a VARIANTS case (attention on the eager path for exact parity)."""
+    model_type, variant = VARIANTS.get(model_type, (model_type, {}))
+    kwargs = {**_BASE, **_EXTRA.get(model_type, {}), **variant, **overrides}
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = overrides.get("attn_implementation", "eager")
     return config
 
 
 def tiny_model(model_type: str = "llama", dtype=torch.float32, seed: int = 0, **overrides):
-    """A randomly initialised causal LM of ``model_type`` in ``dtype``, weights fixed by ``seed``."""
+    """A randomly initialised causal LM of ``model_type`` (or a VARIANTS case) in ``dtype``, weights fixed by
+    ``seed``."""
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
