@@ -15,6 +15,8 @@ from llama.cpp's converter and loader (``src/models/<arch>.cpp``), not copied fr
   models, as transformers does wherever ``sliding_window`` is set, and rotates every layer with full attention at
   any other depth, as transformers does without a window: the other two combinations are refused. Llama 3 RoPE
   (the released models') is written as ``rope_freqs``, as for llama.
+- seed_oss: Llama's layer with NEOX RoPE (no permutation) and q/k/v biases; its norm before the MLP is
+  ``attn_post_norm`` (the name map's, from ``post_attention_layernorm``). No o_proj or MLP biases (refused).
 - Gemma RMSNorms scale by (1 + w); llama.cpp multiplies by the stored weight, so 1 is added to
   every ``*norm.weight`` (q/k norms included for Gemma 3).
 - gemma/gemma2 always read the output projection from ``token_embd`` (tied); olmo2 requires an
@@ -279,6 +281,19 @@ def _check_exaone4(cfg: dict[str, Any]) -> None:
                          f"partial_rotary_factor is {partial}")
 
 
+def _check_seed_oss(cfg: dict[str, Any]) -> None:
+    """llama.cpp's seed_oss loader reads q/k/v biases but no o_proj or MLP bias tensor (a file with one fails to
+    load), and its graph rotates whole heads."""
+    for key, what in (("attention_out_bias", "o_proj bias"), ("mlp_bias", "MLP projection biases")):
+        if cfg.get(key):
+            raise ValueError(f"seed_oss GGUF: llama.cpp's Seed-OSS graph has no {what} ({key}=True; the released "
+                             "Seed-OSS models have none)")
+    partial = rope_settings(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(f"seed_oss GGUF: llama.cpp's Seed-OSS graph rotates whole heads, this config's "
+                         f"partial_rotary_factor is {partial}")
+
+
 def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False) -> None:
     """ValueError for a config the arch's llama.cpp graph cannot represent (before any tensor is read).
 
@@ -290,6 +305,8 @@ def check_config(arch: str, cfg: dict[str, Any], approximate_yarn: bool = False)
         _check_smollm3(cfg)
     if arch == "exaone4":
         _check_exaone4(cfg)
+    if arch == "seed_oss":
+        _check_seed_oss(cfg)
     if arch in qwen35.ARCHS:
         qwen35.check_config(cfg)
     if arch == "qwen35moe":
@@ -350,6 +367,7 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4": ArchSpec("glm4"),  # post-attention / post-MLP norms, fused gate_up, partial interleaved RoPE
     "ernie4_5": ArchSpec("ernie4_5"),
     "hunyuan-dense": ArchSpec("hunyuan-dense"),  # q/k norms after RoPE (attn_q_norm / attn_k_norm)
+    "seed_oss": ArchSpec("seed_oss"),  # Llama's layer, NEOX RoPE, q/k/v biases; the MLP's norm is attn_post_norm
     "exaone4": ArchSpec("exaone4", metadata=_meta_exaone4),  # post-norms, q/k norms, NoPE full layers with a window
     "qwen35": ArchSpec("qwen35", norm_shift=1.0, metadata=_meta_qwen35),  # gguf_qwen35.py
     "qwen35moe": ArchSpec("qwen35moe", norm_shift=1.0, metadata=_meta_qwen35moe),  # gguf_qwen35moe.py

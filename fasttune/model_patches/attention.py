@@ -7,9 +7,11 @@ gate, RoPE (skipped in a layer whose ``rope_flag`` attribute is false, SmolLM3's
 full-attention layers where its ``rope_flag_when`` attribute, the window, is set; the family's own rotation
 where its pairs are interleaved, GLM-4 / ERNIE 4.5), the KV-cache update, the attention function
 transformers selects for ``config._attn_implementation`` (eager: the family's own
-``eager_attention_forward``, so Gemma 2's soft-cap stays), and the output projection. The
-extra keyword arguments a family passes to the attention function (sliding window, soft-cap)
-come from ``FamilySpec.attention_kwargs``.
+``eager_attention_forward``, so Gemma 2's soft-cap stays), and the output projection, followed in
+training by the family's output dropout where its row names one (``FamilySpec.output_dropout_attr``:
+Seed-OSS's ``residual_dropout``; ``output_dropout``, the stock call at the stock point). The extra
+keyword arguments a family passes to the attention function (sliding window, soft-cap) come from
+``FamilySpec.attention_kwargs``.
 
 Hooks for fused LoRA (replace the attributes of an installed forward):
     ``project_qkv(module, hidden_states) -> (q, k, v)``, each [..., heads*head_dim];
@@ -114,6 +116,7 @@ class FastAttentionForward(PatchedForward):
         self.rope_flag = spec.rope_flag  # SmolLM3: a NoPE layer's module says use_rope = 0
         self.rope_flag_when = spec.rope_flag_when  # EXAONE 4: is_sliding decides only where a window is set
         self.output_gate = spec.output_gate  # Qwen3.5: q_proj yields [q_h | g_h] per head
+        self.output_dropout_attr = spec.output_dropout_attr  # Seed-OSS: residual_dropout after o_proj
 
     def _rope(self, q, k, cos, sin):
         if self.use_rope_kernel and self.half_cos:  # gpt-oss: [cos | cos] is the same rotation, in our layout
@@ -168,7 +171,7 @@ class FastAttentionForward(PatchedForward):
                 lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs), core_bytes, m)
         else:
             attn_output, attn_weights = self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs)
-        return self.project_o(m, attn_output), attn_weights
+        return output_dropout(m, self.project_o(m, attn_output), self.output_dropout_attr), attn_weights
 
     @staticmethod
     def _stashable(m: nn.Module, cache) -> bool:
@@ -229,6 +232,19 @@ class FastAttentionForward(PatchedForward):
             if why is None:
                 return sink_flex_attention
         return attention_interface(self.functions, implementation, self.eager)
+
+
+def output_dropout(module: nn.Module, out: torch.Tensor, attr: str | None) -> torch.Tensor:
+    """The stock ``nn.functional.dropout(out, p=module.<attr>, training=module.training)`` on an attention or MLP
+    output (``FamilySpec.output_dropout_attr``, Seed-OSS's ``residual_dropout``): the same call, so the same
+    random numbers in the same order. ``out`` itself where ``attr`` is None, in eval mode or with p == 0 (as
+    torch's dropout, which then draws nothing)."""
+    if attr is None or not module.training:
+        return out
+    p = getattr(module, attr)
+    if not p:
+        return out
+    return nn.functional.dropout(out, p=p, training=True)
 
 
 def _kwarg_source(source: str) -> tuple[str, str, str | None]:
@@ -364,6 +380,8 @@ def check_attention(module: nn.Module, spec: FamilySpec, use_rope_kernel: bool =
         return f"no `{spec.rope_flag}` attribute (whether this layer applies RoPE)"
     if spec.rope_flag_when is not None and not hasattr(module, spec.rope_flag_when):
         return f"no `{spec.rope_flag_when}` attribute (whether `{spec.rope_flag}` decides RoPE)"
+    if spec.output_dropout_attr is not None and not hasattr(module, spec.output_dropout_attr):
+        return f"no `{spec.output_dropout_attr}` attribute (the dropout probability of the output)"
     for name, source in spec.attention_kwargs:
         where, attr, flag = _kwarg_source(source)
         for needed in (attr, flag) if where == "module" else (flag,):
@@ -448,5 +466,5 @@ def attention_forward(module: nn.Module) -> FastAttentionForward | None:
 
 
 __all__ = ["FastAttentionForward", "attention_forward", "attention_interface", "attention_kwarg", "check_attention",
-           "float_dtype", "patch_attention", "use_flex_for_sinks", "project_o", "project_qkv_fused",
+           "float_dtype", "output_dropout", "patch_attention", "use_flex_for_sinks", "project_o", "project_qkv_fused",
            "project_qkv_separate"]

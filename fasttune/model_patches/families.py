@@ -100,6 +100,10 @@ class FamilySpec:
         qk_norm_attrs: the attention module's q and k norm attributes.
         output_gate: q_proj also yields a gate per head ([q_h | g_h], Qwen3.5's full-attention layers):
             the attention output is multiplied by sigmoid(g) before o_proj.
+        output_dropout_attr: attribute of the attention and MLP modules holding a dropout probability the stock
+            forwards apply to their outputs in training, ``nn.functional.dropout(out, p, training)`` after o_proj
+            and after down_proj (Seed-OSS: ``residual_dropout``); the patched forwards apply it at the same points
+            (the same random numbers, in the same order), a checkpoint recompute replays it. None: no such dropout.
         vision: the towers of a vision-language model (``causal_lm_class`` is then its
             ``*ForConditionalGeneration``); None for a text-only family.
     """
@@ -136,6 +140,7 @@ class FamilySpec:
     rope_flag_when: str | None = None
     qk_norm_attrs: tuple[str, str] = ("q_norm", "k_norm")
     output_gate: bool = False
+    output_dropout_attr: str | None = None
     vision: VisionLayout | None = None
 
 
@@ -215,6 +220,11 @@ HUNYUAN_V1_DENSE = _row(LLAMA, "hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="he
 EXAONE4 = _row(OLMO2, "exaone4", "Exaone4", qk_norm="head", norm_casting="llama",
                attention_kwargs=(("sliding_window", "module:sliding_window?is_sliding"),),
                rope_flag="is_sliding", rope_flag_when="sliding_window", gguf_arch="exaone4")
+# Seed-OSS: Llama's layer with q/k/v biases (config.attention_bias; o_proj's attention_out_bias, mlp_bias) and a
+# dropout of config.residual_dropout (0.1 in the released config) on the attention's and the MLP's outputs, before
+# the residual adds; the checkpoint recompute replays its masks (preserve_rng_state). Its dropout comes after the
+# MLP's down projection and saves only its mask: the recompute may still skip that projection.
+SEED_OSS = _row(LLAMA, "seed_oss", "SeedOss", output_dropout_attr="residual_dropout", gguf_arch="seed_oss")
 # Qwen3.5 (text): three of every four layers mix tokens with a gated delta rule (linear_attn, stock);
 # the others are Qwen3 attention with a per-head output gate, partial RoPE and (1 + w) norms in fp32.
 # Not pre-norm layers as residual.py runs them (a linear-attention layer calls linear_attn).
@@ -266,7 +276,7 @@ GEMMA3 = _row(GEMMA3_TEXT, "gemma3", "Gemma3", causal_lm_class="Gemma3ForConditi
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
-                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, EXAONE4, QWEN3_5_TEXT,
+                 OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, EXAONE4, SEED_OSS, QWEN3_5_TEXT,
                  QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT,
                  QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }

@@ -19,7 +19,8 @@ What a replay must reproduce, and how:
 - what the Python of the call leaves behind: fasttune's call counts of the layer's ops (the capture's
   counts are added again at each replay), the forward's fused-LoRA decisions that its recompute reuses
   (``checkpointing.layer_memo``), and the forward's place in its ``ForwardThenRecompute``.
-- Left eager: dropout with p > 0 in training (its random numbers are the recompute's to repeat), a
+- Left eager: dropout with p > 0 in training (its random numbers are the recompute's to repeat; an
+  ``nn.Dropout`` or a ``*dropout`` probability attribute, ``draws_dropout``), a
   layer whose call records tensors for transformers (router logits under ``output_router_logits``:
   a replay would not record them), a layout seen fewer than ``WARM_CALLS`` times (Triton compiles and
   autotunes on the first calls), and a capture that fails (logged once, with the reason). CPU tensors
@@ -29,6 +30,7 @@ What a replay must reproduce, and how:
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import Counter
 
 import torch
@@ -43,6 +45,16 @@ WARM_CALLS = 2  # eager calls of a layout before its capture
 _EAGER = "eager"  # an entry for a layout that stays eager
 
 
+def draws_dropout(m: nn.Module) -> bool:
+    """Does ``m`` apply dropout with p > 0 when training: an ``nn.Dropout``, or a probability the module's own
+    forward passes to ``nn.functional.dropout`` from a number attribute named ``*dropout*`` (``attention_dropout``;
+    Seed-OSS's ``residual_dropout``, ``FamilySpec.output_dropout_attr``)?"""
+    if isinstance(m, nn.Dropout):
+        return m.p > 0
+    return any("dropout" in name and isinstance(p, numbers.Real) and not isinstance(p, bool) and p > 0
+               for name, p in m.__dict__.items())
+
+
 def layer_state(layer: nn.Module) -> tuple | str:
     """The Python state that steers ``layer``'s forward, as a hashable tuple; or why it must stay eager."""
     state, stack = [], [layer]
@@ -50,8 +62,7 @@ def layer_state(layer: nn.Module) -> tuple | str:
         m = stack.pop()
         if m is None:
             continue
-        p = m.__dict__.get("attention_dropout", 0.0)
-        if m.training and ((isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(p, float) and p > 0)):
+        if m.training and draws_dropout(m):
             return "dropout in training (its random numbers are the recompute's to repeat)"
         if "lora_A" in m._modules:  # a PEFT LoRA layer: its switches choose the code path
             state.append((m.training, bool(getattr(m, "disable_adapters", False)),
@@ -204,4 +215,4 @@ class ForwardGraphs:
         return entry
 
 
-__all__ = ["ForwardGraphs", "WARM_CALLS", "layer_state", "layer_storages"]
+__all__ = ["ForwardGraphs", "WARM_CALLS", "draws_dropout", "layer_state", "layer_storages"]

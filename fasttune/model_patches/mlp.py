@@ -1,10 +1,11 @@
 """Gated MLPs with the SwiGLU/GeGLU activation on the Triton kernel, and the fused-LoRA hook point.
 
 ``down(act(gate(x)) * up(x))`` with the gate/up projections separate or fused (Phi-3's
-``gate_up_proj``: gate is the first half). The activation is read off the config attributes the
-family's row names (``FamilySpec.activation_attrs``) through ``families.ACTIVATIONS``, and checked
-against the module's own activation function on a probe, so a module computing something else
-than its config says stays stock instead of silently changing numbers.
+``gate_up_proj``: gate is the first half), then the family's output dropout in training where its row
+names one (``FamilySpec.output_dropout_attr``: Seed-OSS's ``residual_dropout``). The activation is read
+off the config attributes the family's row names (``FamilySpec.activation_attrs``) through
+``families.ACTIVATIONS``, and checked against the module's own activation function on a probe, so a
+module computing something else than its config says stays stock instead of silently changing numbers.
 
 Hook for fused LoRA: ``fused_mlp(module, x) -> Tensor`` on an installed forward replaces the
 whole computation; None (the default) runs the path above through the module's own projection
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import FastConfig
-from .attention import float_dtype
+from .attention import float_dtype, output_dropout
 from .families import ACTIVATIONS, FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .report import PatchReport
@@ -51,8 +52,10 @@ class FastMLPForward(PatchedForward):
 
     op = OP
 
-    def __init__(self, module: nn.Module, stock, layout: str, activation: str | None, act_attr: str):
+    def __init__(self, module: nn.Module, stock, layout: str, activation: str | None, act_attr: str,
+                 dropout_attr: str | None = None):
         super().__init__(module, stock)
+        self.dropout_attr = dropout_attr  # FamilySpec.output_dropout_attr: dropout after down_proj (Seed-OSS)
         self.fused_mlp: Callable | None = None
         self.layout = layout
         self.activation = activation
@@ -85,8 +88,12 @@ class FastMLPForward(PatchedForward):
                 self.count("other arguments than one tensor" if x is None else DECODE_STEP)
             return self.stock(*args, **kwargs)
         if self.fused_mlp is not None:  # counted by the hook (lora.LoRAMLPHook), or by _act when it falls back
-            return self.fused_mlp(self.module, x)
-        return self.unfused(x)
+            out = self.fused_mlp(self.module, x)
+        else:
+            out = self.unfused(x)
+        # After a recompute that skipped the down projection (NaN output) the dropout still draws its mask, the
+        # only thing its backward needs: the same random numbers as the forward's, the same gradients.
+        return output_dropout(self.module, out, self.dropout_attr)
 
     def unfused(self, x: torch.Tensor) -> torch.Tensor:
         """The module's own projections around the activation kernel (what a fused hook falls back to)."""
@@ -129,6 +136,8 @@ def check_mlp(module: nn.Module, spec: FamilySpec, activation: str | None, use_k
     for attr in _LAYOUT_SUBMODULES[spec.mlp_layout]:
         if not isinstance(getattr(module, attr, None), nn.Module):
             return f"no `{attr}` submodule in this transformers version", None
+    if spec.output_dropout_attr is not None and not hasattr(module, spec.output_dropout_attr):
+        return f"no `{spec.output_dropout_attr}` attribute (the dropout probability of the output)", None
     act_attr = next((a for a in ACT_ATTRS if callable(getattr(module, a, None))), None)
     if act_attr is None:
         return f"no activation attribute ({' / '.join(ACT_ATTRS)})", None
@@ -176,7 +185,7 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
             report.fallback(op, name, reason)
             continue
         kind = ACTIVATIONS[activation] if config.mlp else None
-        fwd = FastMLPForward(module, stock_forward(module), spec.mlp_layout, kind, act_attr)
+        fwd = FastMLPForward(module, stock_forward(module), spec.mlp_layout, kind, act_attr, spec.output_dropout_attr)
         swap_forward(module, fwd, report)
         report.add(op, counted=config.mlp)  # the LoRA hook point alone runs no kernel of its own
 

@@ -85,7 +85,7 @@ def _expected_tensors(family, model):
         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-        "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2", "exaone4")
+        "post_attention_layernorm": "ffn_norm" if arch not in ("gemma2", "gemma3", "olmo2", "exaone4", "seed_oss")
         else "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
         "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
@@ -365,6 +365,20 @@ def test_exaone4_configs_llama_cpp_runs_otherwise_are_refused(overrides, why, tm
         save_gguf(model, gguf_tokenizer("bpe"), tmp_path / "out")
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
     assert ft_gguf.gguf_refusal(gguf_model("exaone4").base_model.model.config) is None
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (dict(attention_out_bias=True), r"seed_oss GGUF: llama.cpp's Seed-OSS graph has no o_proj bias"),
+    (dict(mlp_bias=True), r"seed_oss GGUF: llama.cpp's Seed-OSS graph has no MLP projection biases"),
+], ids=["o_proj_bias", "mlp_bias"])
+def test_seed_oss_biases_llama_cpp_cannot_load_are_refused(overrides, why, tmp_path):
+    """llama.cpp's Seed-OSS loader reads q/k/v biases only: a file with an o_proj or MLP bias fails to load there
+    (checked by hand with llama-cpp-python 0.3.36), so fasttune refuses it up front and when writing."""
+    model = gguf_model("seed_oss", **overrides)
+    assert ft_gguf.gguf_refusal(model.base_model.model.config).startswith("seed_oss GGUF: ")
+    with pytest.raises(ValueError, match=why):
+        save_gguf(model, gguf_tokenizer("bpe"), tmp_path / "out")
+    assert ft_gguf.gguf_refusal(gguf_model("seed_oss").base_model.model.config) is None
 
 
 def test_ernie4_5_projection_biases_llama_cpp_cannot_run_are_refused(tmp_path):

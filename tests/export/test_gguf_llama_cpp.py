@@ -254,3 +254,15 @@ def test_exaone4_loads_in_llama_cpp(overrides, tmp_path):
     ref = Reference(model, tok, "exaone4")
     failed = [f for quant, path in zip(quants, paths) for f in ref.check(path, quant)]
     assert not [f for f in failed if f[2] > EXAONE4_DEEP_TOL[f[1]][0] or f[3] > EXAONE4_DEEP_TOL[f[1]][1]], failed
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(attention_bias=False), dict(head_dim=96)],
+                         ids=["qkv_bias", "no_bias", "wide_heads"])
+def test_seed_oss_loads_in_llama_cpp(overrides, tmp_path):
+    """llama.cpp's seed_oss as F32, F16 and Q8_0, plain and LoRA-merged (the model is a LoRA model; the live
+    logits are the adapter's): q/k/v biases or none, and heads wider than hidden / heads (the 36B's 80 x 128 over
+    5,120), whose o_proj is not square. Residual dropout is a training matter: eval logits ignore it."""
+    model, tok = gguf_model("seed_oss", residual_dropout=0.1, attention_dropout=0.1, **overrides), \
+        family_tokenizer("seed_oss")
+    quants = ("f32", "f16", "q8_0")
+    _check_all(model, tok, "seed_oss", save_gguf(model, tok, tmp_path, quants), quants)

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoConfig
 
 from fasttune.model_patches.families import ACTIVATIONS, FAMILIES, family_for, resolve_classes
-from helpers.tiny_models import FAMILY_TYPES, MOE_TYPES
+from helpers.tiny_models import FAMILY_TYPES, MOE_TYPES, tiny_config
 from helpers.tiny_vlms import VLM_TYPES
 
 CLASS_FIELDS = ("causal_lm_class", "decoder_layer_class", "attention_class", "mlp_class", "norm_class")
@@ -36,6 +36,10 @@ def test_row_resolves_every_class_and_matches_the_config(model_type):
     assert spec.qk_norm in (None, "head", "head_after_rope", "head_optional", "full") and len(spec.qk_norm_attrs) == 2
     assert spec.rope_layout in ("halves", "interleaved") and (spec.rope_flag is None or isinstance(spec.rope_flag, str))
     assert spec.rope_flag_when is None or (spec.rope_flag is not None and isinstance(spec.rope_flag_when, str))
+    if spec.output_dropout_attr is not None:  # the attribute the row names is on the family's modules (Seed-OSS)
+        config = tiny_config(model_type)
+        assert hasattr(classes["attention_class"](config, 0), spec.output_dropout_attr)
+        assert hasattr(classes["mlp_class"](config), spec.output_dropout_attr)
     assert spec.qkv_layout in ("separate", "fused") and spec.mlp_layout in ("separate", "fused")
     for _, source in spec.attention_kwargs:
         where, attr = source.split(":")

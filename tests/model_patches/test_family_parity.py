@@ -32,7 +32,7 @@ LAYERS = 2  # tiny_models' num_hidden_layers
 # RMSNorm modules per decoder layer (q/k norms included), plus the final norm.
 NORMS_PER_LAYER = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 4, "gemma": 2, "gemma2": 4,
                    "gemma3_text": 6, "phi3": 2, "granite": 2, "olmo2": 4, "olmo3": 4, "ministral": 2, "smollm3": 2,
-                   "glm4": 4, "ernie4_5": 2, "hunyuan_v1_dense": 4, "exaone4": 4,
+                   "glm4": 4, "ernie4_5": 2, "hunyuan_v1_dense": 4, "exaone4": 4, "seed_oss": 2,
                    "qwen3_5_text": 3}  # Qwen3.5: q/k norms in its one attention layer only
 # GLM-4 and ERNIE 4.5 rotate interleaved pairs with their own function: their attention carries the
 # LoRA hooks only ("attention_hook"), and the report says why RoPE stays stock.
@@ -45,7 +45,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 # x + attn(norm(x)), then h + mlp(norm(h)): the layers that run with the residual adds in the norms.
 PRE_NORM_LAYERS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "ministral", "smollm3", "ernie4_5",
-                   "hunyuan_v1_dense"}
+                   "hunyuan_v1_dense", "seed_oss"}
 
 
 def expected_counts(case: str) -> dict[str, int]:
@@ -153,7 +153,7 @@ def test_gradient_accumulation_matches_one_batch(device):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "smollm3", "glm4", "exaone4", "exaone4_no_window",
-                                        "qwen3_5_text"])
+                                        "seed_oss", "qwen3_5_text"])
 def test_greedy_generation_with_cache_matches_stock(model_type, device):
     stock = tiny_model(model_type, seed=4).to(device)
     fast = copy.deepcopy(stock)
@@ -214,7 +214,7 @@ def _bf16_curves_agree(model_type: str, steps: int, device: str) -> None:
 
 @pytest.mark.slow  # 10–30 s each on 2 CPU cores (the interpreter runs ~60 launches per step)
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "glm4", "exaone4", "exaone4_no_window",
-                                        "qwen3_5_text"])
+                                        "seed_oss", "qwen3_5_text"])
 def test_bf16_training_curve_within_bf16_noise(model_type, device):
     _bf16_curves_agree(model_type, steps=20, device=device)
 

@@ -150,8 +150,9 @@ def test_every_family_matches_peft_and_unpatches(model_type, device, spy):
 
 
 # SwiGLU, q/k/v bias, GeGLU, fused gate/up; GLM-4: fused with post-norms; Qwen3.5: q_proj with its gate;
-# EXAONE 4: post-norms, a NoPE layer
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma", "phi3", "glm4", "qwen3_5_text", "exaone4"])
+# EXAONE 4: post-norms, a NoPE layer; Seed-OSS: biases on q/k/v, o_proj and the MLP
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma", "phi3", "glm4", "qwen3_5_text", "exaone4",
+                                        "seed_oss"])
 def test_nf4_qlora_matches_peft(model_type, device, spy):
     stock, fast, report = stock_and_fast(model_type, device, seed=3, nf4=True)
     attn = attention_layers(model_type)

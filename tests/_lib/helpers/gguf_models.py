@@ -14,7 +14,7 @@ import torch
 from .tiny_tokenizers import bpe_tokenizer, sp_tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-            "olmo3", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "exaone4")
+            "olmo3", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "exaone4", "seed_oss")
 # GGUF architecture when it is not the model_type
 ARCH = {"mistral": "llama", "gemma3_text": "gemma3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense"}
 ROTARY = {"glm4": 0.5}  # partial_rotary_factor where not 1 (GLM-4's config default)
@@ -39,6 +39,8 @@ EXTRA = {
     # EXAONE 4 without a window (as the 1.2B): every layer rotated, full attention; llama.cpp runs the window
     # only at 64 layers (EXAONE4_SWA), and refuses it at this depth (test_gguf.py)
     "exaone4": dict(pad_token_id=0, sliding_window=None, layer_types=["full_attention"] * 2),
+    # Seed-OSS as released: q/k/v biases (no o_proj or MLP bias); its dropout is off in eval
+    "seed_oss": dict(attention_bias=True, attention_out_bias=False, mlp_bias=False),
 }
 # EXAONE 4 as the 32B is built, at tiny widths: 64 layers (the only depth at which llama.cpp runs the window),
 # three sliding layers of four with a window of 5 (shorter than the test prompts) and NoPE full-attention layers,

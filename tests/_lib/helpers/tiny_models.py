@@ -6,7 +6,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "exaone4", "qwen3_5_text")
+                "olmo3", "ministral", "smollm3", "glm4", "ernie4_5", "hunyuan_v1_dense", "exaone4", "seed_oss",
+                "qwen3_5_text")
 # A family whose layers compute something else under another config gets a second tiny model here, which
 # the parity tests run as they run FAMILY_TYPES (FAMILY_CASES): case name → (model_type, config extras).
 # EXAONE 4 without a sliding window: every layer rotates (with one, its full-attention layers are NoPE).
@@ -66,6 +67,9 @@ _EXTRA = {
     "ernie4_5": dict(pad_token_id=0, use_bias=True, tie_word_embeddings=True),
     # EXAONE 4 with a window shorter than the test batches: the sliding layer rotates, the full one is NoPE.
     "exaone4": dict(pad_token_id=0, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # Seed-OSS with every bias it can have (q/k/v, o_proj, MLP); its residual dropout off here (the released config
+    # has 0.1, run in training by tests/model_patches/test_output_dropout.py).
+    "seed_oss": dict(attention_bias=True, attention_out_bias=True, mlp_bias=True, residual_dropout=0.0),
     # Qwen3.5: a gated-delta-rule layer (stock) then a gated full-attention layer; partial RoPE over 12
     # of 24 dims in 3-D sections (one position per token in text: the sections rotate alike).
     "qwen3_5_text": dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"],
