@@ -266,6 +266,7 @@ def worker(stack: str, args) -> None:
             row["error"] = "out of memory"
         except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {err}"[:400]
+            log(f"    error: {row['error']}")  # before the release below, which a broken CUDA context fails
         del step
         model.zero_grad(set_to_none=True)
         common.release()

@@ -20,7 +20,8 @@ Mixture-of-experts layers are captured too (the routing lives on the device; a Q
 eager bit for bit over twelve batches on an H100, ``test_cuda_moe_backward_replays_bitwise``).
 Left eager (logged once each): a layout seen fewer than ``WARM_CALLS`` times, dropout in training,
 a layer that records tensors for transformers (router logits: ``output_router_logits=True``),
-parameters with gradient hooks (a replay does not run them), a backward that builds a graph of its
+parameters with gradient hooks (a replay does not run them), an argument whose state a replay would
+not follow (``graph_inputs.py``), a backward that builds a graph of its
 own (``create_graph``), and a capture that fails.
 """
 
@@ -30,9 +31,9 @@ import logging
 from collections import Counter
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .forward_graphs import WARM_CALLS, ForwardGraphs, layer_state, layer_storages
+from .graph_inputs import CallInputs, call_inputs
 
 logger = logging.getLogger("fasttune")
 
@@ -97,14 +98,15 @@ class BackwardGraphs:
         why = self.why_eager(state, params, ctx)
         if why is not None:
             return self._eager(why)
-        leaves, spec = pytree.tree_flatten((run.args, run.kwargs))
+        call_in = call_inputs(run.args, run.kwargs)
+        if isinstance(call_in, str):
+            return self._eager(call_in)
         grad_list = list(grads)
-        tensors = [hidden, *(g for g in grad_list if g is not None),
-                   *(t for t in leaves if isinstance(t, torch.Tensor))]
+        own = [hidden, *(g for g in grad_list if g is not None)]
+        tensors = own + call_in.tensors
         key = (id(layer), state, ctx.hidden_grad, tuple(g is None for g in grad_list),
-               tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors),
-               tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)), tuple(map(id, params)),
-               tuple(ctx.autocast), ctx.autocast_cache)
+               tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in own), call_in.key,
+               tuple(map(id, params)), tuple(ctx.autocast), ctx.autocast_cache)
         entry = self.entries.get(key)
         storages = layer_storages(layer)
         if isinstance(entry, _Entry) and entry.storages != storages:
@@ -114,7 +116,7 @@ class BackwardGraphs:
             self.seen[key] += 1
             if self.seen[key] <= WARM_CALLS:
                 return NotImplemented
-            entry = self._capture(key, run, grad_list, leaves, spec, tensors, params, storages, recompute, ctx)
+            entry = self._capture(key, run, grad_list, call_in, tensors, params, storages, recompute, ctx)
         if entry == _EAGER:
             return NotImplemented
         for buf, t in zip(entry.inputs, tensors):
@@ -132,7 +134,7 @@ class BackwardGraphs:
             logger.info("fasttune: checkpointed layers' backward runs eagerly, not from CUDA graphs: %s", why)
         return NotImplemented
 
-    def _capture(self, key, run, grad_list, leaves, spec, tensors, params, storages, recompute, ctx):
+    def _capture(self, key, run, grad_list, call_in: CallInputs, tensors, params, storages, recompute, ctx):
         """Capture the recompute and its back-propagation on static copies of the inputs; an entry or ``_EAGER``."""
         fg = self.forward
         inputs = [fg.buffer(("bwd in", i), t) for i, t in enumerate(tensors)]
@@ -140,8 +142,7 @@ class BackwardGraphs:
             buf.copy_(t)
         rest = iter(inputs[1:])
         static_grads = [None if g is None else next(rest) for g in grad_list]
-        static_args, static_kwargs = pytree.tree_unflatten(
-            [next(rest) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+        static_args, static_kwargs = call_in.rebuild(list(rest))
         fn, calls, args, kwargs = run.fn, run.fn.calls, run.args, run.kwargs
         counts0 = Counter(run.counts)
         graph = torch.cuda.CUDAGraph()

@@ -15,16 +15,19 @@ What a replay must reproduce, and how:
   layer's code: every module's ``training`` flag and PEFT's adapter switches (disabled, active
   adapter, merged). Another layout is captured anew; a layer whose parameters or buffers moved
   (re-homed, ``.to()``) is captured again, the old graph dropped.
-- the same inputs: copied into static buffers before each replay; the output is copied out.
+- the same inputs: copied into static buffers before each replay; the output is copied out. Every
+  tensor the call reads counts, a flex ``BlockMask``'s and its mask function's closure's included
+  (``graph_inputs.py``: transformers builds a new mask every forward).
 - what the Python of the call leaves behind: fasttune's call counts of the layer's ops (the capture's
   counts are added again at each replay), the forward's fused-LoRA decisions that its recompute reuses
   (``checkpointing.layer_memo``), and the forward's place in its ``ForwardThenRecompute``.
 - Left eager: dropout with p > 0 in training (its random numbers are the recompute's to repeat; an
-  ``nn.Dropout`` or a ``*dropout`` probability attribute, ``draws_dropout``), a
-  layer whose call records tensors for transformers (router logits under ``output_router_logits``:
-  a replay would not record them), a layout seen fewer than ``WARM_CALLS`` times (Triton compiles and
-  autotunes on the first calls), and a capture that fails (logged once, with the reason). CPU tensors
-  never take graphs.
+  ``nn.Dropout`` or a ``*dropout`` probability attribute, ``draws_dropout``), a layer whose call
+  records tensors for transformers (router logits under ``output_router_logits``: a replay would not
+  record them), an argument whose state a replay would not follow (an object other than tensors,
+  plain values, functions and a ``BlockMask``), a layout seen fewer than ``WARM_CALLS`` times (Triton
+  compiles and autotunes on the first calls), and a capture that fails (logged once, with the
+  reason). CPU tensors never take graphs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .graph_inputs import CallInputs, call_inputs
 from .layer_records import LayerRecords
 
 logger = logging.getLogger("fasttune")
@@ -111,10 +115,11 @@ class ForwardGraphs:
         if LayerRecords().start:  # transformers collects outputs (router logits) in this forward
             return self._eager(call, hidden, "the layer records tensors for transformers (router logits): "
                                              "a replay would not")
-        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
-        tensors = [hidden, *(t for t in leaves if isinstance(t, torch.Tensor))]
-        key = (id(layer), state, tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors),
-               tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)),
+        inputs = call_inputs(call.args, call.kwargs)
+        if isinstance(inputs, str):
+            return self._eager(call, hidden, inputs)
+        tensors = [hidden, *inputs.tensors]
+        key = (id(layer), state, (tuple(hidden.shape), hidden.stride(), hidden.dtype, hidden.device), inputs.key,
                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         entry = self.entries.get(key)
         if isinstance(entry, _Entry) and entry.storages != layer_storages(layer):
@@ -124,7 +129,7 @@ class ForwardGraphs:
             self.seen[key] += 1
             if self.seen[key] <= WARM_CALLS:
                 return call(hidden)
-            entry = self._capture(key, call, layer, leaves, spec, tensors, counts)
+            entry = self._capture(key, call, layer, inputs, tensors, counts)
         if entry == _EAGER:
             return call(hidden)
         for buf, t in zip(entry.inputs, tensors):
@@ -171,14 +176,12 @@ class ForwardGraphs:
             self.stream = torch.cuda.Stream()
         return self.pool.id if hasattr(self.pool, "id") else self.pool
 
-    def _capture(self, key, call, layer, leaves, spec, tensors, counts: Counter):
+    def _capture(self, key, call, layer, call_in: CallInputs, tensors, counts: Counter):
         """Capture ``call`` on static copies of its inputs (nothing runs); an entry, or ``_EAGER``."""
         inputs = [self.buffer(("in", i), t) for i, t in enumerate(tensors)]  # shared by every layer's graph
         for buf, t in zip(inputs, tensors):
             buf.copy_(t)
-        rest = iter(inputs[1:])
-        static_args, static_kwargs = pytree.tree_unflatten(
-            [next(rest) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+        static_args, static_kwargs = call_in.rebuild(inputs[1:])
         fn, calls, counts0, memo0 = call.fn, call.fn.calls, Counter(counts), dict(call.fn.memo)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()

@@ -176,3 +176,43 @@ def test_cuda_a_gradient_hook_keeps_the_layer_eager():
     assert len(seen) == 5 and all(s > 0 for s in seen)
     assert any("gradient hooks" in why for why in b.logged)
     assert b.captures == len(model.base_model.model.model.layers) - 1
+
+
+@pytest.mark.gpu
+def test_cuda_gpt_oss_flex_block_masks_replay_from_static_copies():
+    """gpt-oss on flex attention: each forward builds new BlockMasks (a padding mask in their mask function's
+    closure), which the graphs must copy in like any input (``graph_inputs.py``). Free memory poisoned before
+    every step (a replay reading the capture step's freed mask sees garbage, not a lucky reuse), left padding
+    of a new length each step: forward and backward graphs on equal the same model without graphs bit for
+    bit, every layer captured both ways and replayed after WARM_CALLS."""
+    from peft import LoraConfig, get_peft_model
+
+    from helpers.poison import poison_free_memory
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=ALL_7[:4], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    base = get_peft_model(tiny_model("gpt_oss", seed=0, output_router_logits=False), config).to("cuda").train()
+    batches = []
+    for s in range(10):
+        batch = make_batch(base.config.vocab_size, seq=150, seed=s, device="cuda")
+        batch["attention_mask"][1, :3 + 7 * s] = 0  # left padding, a new length each step
+        batch["labels"][1, :3 + 7 * s] = -100
+        batches.append(batch)
+    runs, models = [], []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        patch_model(model, FastConfig(checkpointing="offload", checkpoint_no_grad_forward=True,
+                                      checkpoint_forward_graphs=graphs, checkpoint_backward_graphs=graphs))
+        assert model.config._attn_implementation == "flex_attention"
+        out = []
+        for batch in batches:  # (a fresh AdamW each step, alike in both runs)
+            poison_free_memory("cuda")
+            out += _steps(model, [batch], autocast=True)
+        runs.append(out)
+        models.append(model)
+    _same_steps(*runs)
+    g = layer_checkpointing(models[0]).graphs
+    layers = len(models[0].base_model.model.model.layers)
+    for graphs in (g, g.backward):
+        assert graphs.captures == layers and graphs.replays == layers * (len(batches) - WARM_CALLS), (
+            graphs.captures, graphs.replays, graphs.logged)
