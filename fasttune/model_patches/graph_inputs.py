@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 __all__ = ["CallInputs", "call_inputs"]
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
-          enum.Enum, type, types.BuiltinFunctionType)
+          enum.Enum, type, types.BuiltinFunctionType, slice, range, type(Ellipsis))
 _DEPTH = 12  # nested closures deeper than this are not followed (a reason to stay eager)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fasttune.model_patches.graph_inputs import call_inputs
-from helpers.tiny_models import tiny_model
+from helpers.tiny_models import FAMILY_CASES, MOE_TYPES, make_batch, tiny_model
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -142,3 +142,25 @@ def test_closures_rebuilt_with_new_cells_keep_the_rest():
     _, kwargs = inputs.rebuild([new])
     b, q, kv = torch.tensor(1), torch.tensor(3), torch.tensor(1)
     assert bool(make(4)(b, None, q, kv)) and not bool(kwargs["m"](b, None, q, kv))
+
+
+@pytest.mark.parametrize("family", FAMILY_CASES + MOE_TYPES)
+def test_every_family_layer_call_is_followed(family, monkeypatch):
+    """What each supported family's checkpointed layers get under the graphs option (its KV cache dropped,
+    as under HF's checkpointing) is followed: no family stays eager for an argument (CPU tensors never
+    capture; the calls are read where the graphs would key them)."""
+    from fasttune.config import FastConfig
+    from fasttune.model_patches import forward_graphs, patch_model
+
+    seen, run = [], forward_graphs.ForwardGraphs.run
+
+    def recording(self, call, hidden, layer, counts):
+        seen.append(call_inputs(call.args, call.kwargs))
+        return run(self, call, hidden, layer, counts)
+
+    monkeypatch.setattr(forward_graphs.ForwardGraphs, "run", recording)
+    model = tiny_model(family, seed=0, **({"output_router_logits": False} if family in MOE_TYPES else {})).train()
+    patch_model(model, FastConfig(checkpointing="offload", checkpoint_forward_graphs=True))
+    model(**make_batch(model.config.vocab_size, seq=33)).loss.backward()
+    assert len(seen) == model.config.num_hidden_layers
+    assert not [why for why in seen if isinstance(why, str)]
