@@ -20,9 +20,10 @@ Mixture-of-experts layers are captured too (the routing lives on the device; a Q
 eager bit for bit over twelve batches on an H100, ``test_cuda_moe_backward_replays_bitwise``).
 Left eager (logged once each): a layout seen fewer than ``WARM_CALLS`` times, dropout in training,
 a layer that records tensors for transformers (router logits: ``output_router_logits=True``),
-parameters with gradient hooks (a replay does not run them), an argument whose state a replay would
-not follow (``graph_inputs.py``), a backward that builds a graph of its
-own (``create_graph``), and a capture that fails.
+hidden-state shapes beyond the forward graphs' ``MAX_SHAPES`` (a budget the two share), parameters
+with gradient hooks (a replay does not run them), an argument whose state a replay would not follow
+(``graph_inputs.py``), a backward that builds a graph of its own (``create_graph``), and a capture
+that fails.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class BackwardGraphs:
             self.seen[key] += 1
             if self.seen[key] <= WARM_CALLS:
                 return NotImplemented
+            if not self.forward.shapes.admit(hidden):
+                self.entries[key] = _EAGER
+                return self._eager(self.forward.shapes.refusal())
             entry = self._capture(key, run, grad_list, call_in, tensors, params, storages, recompute, ctx)
         if entry == _EAGER:
             return NotImplemented

@@ -26,7 +26,8 @@ What a replay must reproduce, and how:
   records tensors for transformers (router logits under ``output_router_logits``: a replay would not
   record them), an argument whose state a replay would not follow (an object other than tensors,
   plain values, functions and a ``BlockMask``), a layout seen fewer than ``WARM_CALLS`` times (Triton
-  compiles and autotunes on the first calls), and a capture that fails (logged once, with the
+  compiles and autotunes on the first calls), hidden-state shapes beyond the first ``MAX_SHAPES`` (each
+  shape keeps its static buffers and captures), and a capture that fails (logged once, with the
   reason). CPU tensors never take graphs.
 """
 
@@ -46,7 +47,31 @@ from .layer_records import LayerRecords
 logger = logging.getLogger("fasttune")
 
 WARM_CALLS = 2  # eager calls of a layout before its capture
+MAX_SHAPES = 8  # hidden-state shapes (batch x length) a model's graphs are captured for; further shapes stay eager
 _EAGER = "eager"  # an entry for a layout that stays eager
+
+
+class ShapeBudget:
+    """The hidden-state layouts a model's graphs were captured for, at most ``limit``. Each new one costs its own
+    static buffers and a capture per layer, so batches padded to ever new lengths would grow memory without end;
+    past the limit a new layout stays eager (logged once: pad to a few lengths, ``pad_to_multiple_of``)."""
+
+    def __init__(self, limit: int = MAX_SHAPES):
+        self.limit, self.layouts = limit, set()
+
+    def admit(self, hidden: torch.Tensor) -> bool:
+        """May a graph be captured for ``hidden``'s layout (already admitted, or room for one more)?"""
+        layout = (tuple(hidden.shape), hidden.stride(), hidden.dtype, hidden.device)
+        if layout in self.layouts:
+            return True
+        if len(self.layouts) >= self.limit:
+            return False
+        self.layouts.add(layout)
+        return True
+
+    def refusal(self) -> str:
+        return (f"more than {self.limit} hidden-state shapes (batch x sequence length): new ones run eagerly (each "
+                "keeps its own buffers and captures); pad batches to a few lengths (pad_to_multiple_of)")
 
 
 def draws_dropout(m: nn.Module) -> bool:
@@ -101,6 +126,7 @@ class ForwardGraphs:
         self.pool = self.stream = None
         self.logged: set[str] = set()
         self.captures = self.replays = 0
+        self.shapes = ShapeBudget()  # shared with the backward's graphs
         self.backward = None  # backward_graphs.BackwardGraphs of the same layers, when on
 
     def run(self, call, hidden: torch.Tensor, layer: nn.Module, counts: Counter):
@@ -129,6 +155,9 @@ class ForwardGraphs:
             self.seen[key] += 1
             if self.seen[key] <= WARM_CALLS:
                 return call(hidden)
+            if not self.shapes.admit(hidden):
+                self.entries[key] = _EAGER
+                return self._eager(call, hidden, self.shapes.refusal())
             entry = self._capture(key, call, layer, inputs, tensors, counts)
         if entry == _EAGER:
             return call(hidden)
@@ -218,4 +247,4 @@ class ForwardGraphs:
         return entry
 
 
-__all__ = ["ForwardGraphs", "WARM_CALLS", "draws_dropout", "layer_state", "layer_storages"]
+__all__ = ["ForwardGraphs", "MAX_SHAPES", "ShapeBudget", "WARM_CALLS", "draws_dropout", "layer_state", "layer_storages"]

@@ -18,7 +18,7 @@ from torch import nn
 from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
-from fasttune.model_patches.forward_graphs import WARM_CALLS, layer_state
+from fasttune.model_patches.forward_graphs import MAX_SHAPES, WARM_CALLS, ShapeBudget, layer_state
 from fasttune.model_patches.report import FUSED
 from helpers.compare import assert_same_steps as _same_steps
 from helpers.tiny_models import make_batch, tiny_model
@@ -222,3 +222,39 @@ def test_cuda_layers_recording_router_logits_stay_eager():
     more = [make_batch(base.config.vocab_size, seed=s, device="cuda") for s in range(10, 13)]
     _same_steps(*[_steps(m, more, autocast=True) for m in models])
     assert g.captures == len(models[0].base_model.model.model.layers) and g.replays > 0
+
+
+def test_shape_budget_admits_a_few_layouts_then_refuses():
+    """Each captured hidden-state layout keeps its buffers and captures: the first ``limit`` are admitted (and
+    again later), a new one past them is refused, with a reason that names the way out."""
+    budget = ShapeBudget(limit=2)
+    a, b, c = torch.empty(2, 17, 8), torch.empty(2, 33, 8), torch.empty(2, 49, 8)
+    assert budget.admit(a) and budget.admit(b) and budget.admit(a)
+    assert not budget.admit(c) and not budget.admit(c.double())
+    assert budget.admit(torch.empty(2, 33, 8))  # the same layout, another tensor
+    assert "pad_to_multiple_of" in budget.refusal()
+    assert ShapeBudget().limit == MAX_SHAPES >= 4
+
+
+@pytest.mark.gpu
+def test_cuda_shapes_past_the_budget_stay_eager_forward_and_backward():
+    """With room for one shape, batches of a second length run eagerly in forward and backward (logged once
+    each), the first length keeps replaying, and every step equals the eager model's bit for bit."""
+    base = _model("cuda", family="llama")
+    batches = [make_batch(base.config.vocab_size, seq=17 if s % 2 else 29, seed=s, device="cuda") for s in range(10)]
+    runs, models = [], []
+    for graphs in (True, False):
+        model = copy.deepcopy(base)
+        patch_model(model, FastConfig(checkpointing="offload", checkpoint_no_grad_forward=True,
+                                      checkpoint_forward_graphs=graphs, checkpoint_backward_graphs=graphs))
+        if graphs:
+            layer_checkpointing(model).graphs.shapes.limit = 1
+        runs.append(_steps(model, batches, autocast=True))
+        models.append(model)
+    _same_steps(*runs)
+    g = layer_checkpointing(models[0]).graphs
+    layers = len(models[0].base_model.model.model.layers)
+    for graphs in (g, g.backward):
+        assert graphs.captures == layers and graphs.replays == layers * (5 - WARM_CALLS), (graphs.captures,
+                                                                                         graphs.replays)
+        assert any("hidden-state shapes" in why for why in graphs.logged), graphs.logged
