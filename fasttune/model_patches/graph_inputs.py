@@ -44,6 +44,15 @@ def _block_mask_class():
     return BlockMask
 
 
+def _spec_key(spec):
+    """A pytree structure as a dict key (its repr where this torch's TreeSpec does not hash)."""
+    try:
+        hash(spec)
+    except TypeError:
+        return repr(spec)
+    return spec
+
+
 def _tensor_key(t: torch.Tensor) -> tuple:
     return ("tensor", tuple(t.shape), t.stride(), t.dtype, t.device)
 
@@ -58,7 +67,7 @@ class CallInputs:
         self._block_mask = _block_mask_class()
         leaves, self._spec = pytree.tree_flatten((args, kwargs))
         self._builders = [self._split(leaf, 0) for leaf in leaves]
-        self.key = tuple(self._keys)
+        self.key = (_spec_key(self._spec), tuple(self._keys))  # the structure too: which keyword holds what
 
     def rebuild(self, tensors) -> tuple[tuple, dict]:
         """(args, kwargs) with ``tensors`` (as many as ``self.tensors``, in their order) in their places."""

@@ -112,6 +112,8 @@ def test_plain_values_nested_containers_and_partials():
     with pytest.raises(ValueError, match="more tensors"):
         inputs.rebuild([new_t, new_scale, new_t])
     assert call_inputs((torch.randn(3),), {}).key != call_inputs((torch.randn(4),), {}).key
+    assert call_inputs((), {"a": 1}).key != call_inputs((), {"b": 1}).key  # which keyword holds what
+    assert call_inputs((), {"a": t, "b": 1}).key == call_inputs((), {"a": torch.randn(3), "b": 1}).key
     assert call_inputs((torch.randn(3),), {}).key != call_inputs((torch.randn(3).double(),), {}).key
 
 
