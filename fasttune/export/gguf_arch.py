@@ -358,6 +358,7 @@ ARCHS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec("olmoe", output="required", metadata=moe.meta_olmoe),
     "granitemoe": ArchSpec("granitemoe", permute_qk=True, metadata=_meta_granitemoe),
     "glm4moe": ArchSpec("glm4moe", metadata=moe.meta_glm4moe),
+    "qwen2moe": ArchSpec("qwen2moe", output="required", metadata=moe.meta_qwen2moe),  # shared gate: as qwen35moe
     "gemma": ArchSpec("gemma", norm_shift=1.0, output="never"),
     "gemma2": ArchSpec("gemma2", norm_shift=1.0, output="never", metadata=_meta_gemma2),
     "gemma3": ArchSpec("gemma3", norm_shift=1.0, metadata=_meta_gemma3),
@@ -372,6 +373,10 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen35": ArchSpec("qwen35", norm_shift=1.0, metadata=_meta_qwen35),  # gguf_qwen35.py
     "qwen35moe": ArchSpec("qwen35moe", norm_shift=1.0, metadata=_meta_qwen35moe),  # gguf_qwen35moe.py
 }
+
+
+# Arches whose shared expert's sigmoid gate (HF ``shared_expert_gate`` [1, H]) llama.cpp reads as a vector of n_embd.
+SHARED_GATE_ARCHS = ("qwen35moe", "qwen2moe")
 
 
 def write_arch_metadata(writer, cfg: dict[str, Any], arch: str) -> None:
@@ -392,7 +397,7 @@ def transform(arch: str, hf_name: str, data: np.ndarray, cfg: dict[str, Any]) ->
         data = data + np.float32(spec.norm_shift)
     if arch in qwen35.ARCHS:
         data = qwen35.transform(hf_name, data, cfg)
-    return qwen35moe.transform(hf_name, data) if arch == "qwen35moe" else data
+    return qwen35moe.transform(hf_name, data) if arch in SHARED_GATE_ARCHS else data
 
 
 def tensor_key(arch: str, hf_name: str) -> str:
@@ -403,7 +408,7 @@ def tensor_key(arch: str, hf_name: str) -> str:
 
 def tensor_shape(arch: str, hf_name: str, hf_shape) -> tuple:
     """The GGUF tensor's shape (row-major, as transformers'), after ``transform``."""
-    if arch == "qwen35moe":
+    if arch in SHARED_GATE_ARCHS:
         hf_shape = qwen35moe.shape(hf_name, hf_shape)
     return qwen35.shape(hf_name, hf_shape) if arch in qwen35.ARCHS else tuple(hf_shape)
 

@@ -14,6 +14,11 @@ Learned from llama.cpp's converter and graphs (``src/models/*.cpp``), not copied
   the per-head ``attn_sinks.weight``; q/k/v/o biases and the router bias are read.
 - olmoe: the q/k RMSNorms span the whole projection (``{n_embd}`` in llama.cpp's loader for both),
   so the k norm only fits when there are as many key/value heads as query heads; no ``clip_qkv``.
+- qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's layer (q/k/v biases, NEOX RoPE on whole heads, square
+  ``attn_q``/``attn_output``: ``n_embd`` wide), every layer a mixture routed softmax → top-k *without*
+  renormalising (HF ``norm_topk_prob=False``, the released configs'), SiLU experts, plus a shared expert
+  ``ffn_{gate,up,down}_shexp`` scaled by ``sigmoid(ffn_gate_inp_shexp · x)`` (a vector of ``n_embd``; HF's
+  ``shared_expert_gate`` [1, H]); ``output`` is required; no sliding window.
 - glm4moe: leading dense layers (``leading_dense_block_count``), a shared expert of
   ``n_shared_experts·moe_intermediate_size`` added to every MoE layer, sigmoid gating with the
   ``exp_probs_b`` selection bias; no expert groups (``n_group``/``topk_group`` must select all).
@@ -47,6 +52,12 @@ def meta_qwen3moe(w, cfg: dict[str, Any]) -> None:
     w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
 
 
+def meta_qwen2moe(w, cfg: dict[str, Any]) -> None:
+    meta_experts(w, cfg)
+    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    w.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
+
+
 def meta_gpt_oss(w, cfg: dict[str, Any]) -> None:
     meta_experts(w, cfg)
     w.add_expert_feed_forward_length(int(cfg["intermediate_size"]))
@@ -72,16 +83,21 @@ def meta_glm4moe(w, cfg: dict[str, Any]) -> None:
 
 
 # Top-k renormalisation each graph applies (True: weights renormalised over the chosen k).
-_RENORMALISES = {"llama": True, "qwen3moe": True, "granitemoe": True, "olmoe": False}
+_RENORMALISES = {"llama": True, "qwen3moe": True, "granitemoe": True, "olmoe": False, "qwen2moe": False}
 
 
 def check_config(arch: str, cfg: dict[str, Any]) -> None:
     """ValueError for a MoE config the arch's llama.cpp graph cannot represent (before any tensor is read)."""
+    if arch == "qwen2moe" and not n_experts(cfg):
+        raise ValueError("llama.cpp's qwen2moe graph has a mixture of experts in every layer; num_experts is unset")
     if not n_experts(cfg):
         return
-    if arch == "qwen3moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1):
-        raise ValueError("llama.cpp's qwen3moe graph has a mixture of experts in every layer; this config has "
+    if arch in ("qwen3moe", "qwen2moe") and (cfg.get("mlp_only_layers")
+                                             or int(cfg.get("decoder_sparse_step") or 1) != 1):
+        raise ValueError(f"llama.cpp's {arch} graph has a mixture of experts in every layer; this config has "
                          "dense layers (mlp_only_layers / decoder_sparse_step)")
+    if arch == "qwen2moe":
+        _check_qwen2moe(cfg)
     if arch in _RENORMALISES and "norm_topk_prob" in cfg and bool(cfg["norm_topk_prob"]) != _RENORMALISES[arch]:
         does = "renormalises" if _RENORMALISES[arch] else "does not renormalise"
         raise ValueError(f"llama.cpp's {arch} graph {does} the top-k router weights; norm_topk_prob="
@@ -102,6 +118,25 @@ def check_config(arch: str, cfg: dict[str, Any]) -> None:
         if not cfg.get("n_shared_experts"):
             raise ValueError("llama.cpp's glm4moe graph always adds a shared expert; n_shared_experts=0 has no "
                              "GGUF form")
+
+
+def _check_qwen2moe(cfg: dict[str, Any]) -> None:
+    """llama.cpp's qwen2moe loader and graph: square q/o projections, whole-head RoPE, SiLU experts and shared
+    expert (always present), full attention in every layer."""
+    heads = cfg["num_attention_heads"]
+    head = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head * heads != cfg["hidden_size"]:
+        raise ValueError(f"llama.cpp's qwen2moe loader needs num_attention_heads * head_dim == hidden_size (its "
+                         f"attn_q and attn_output are n_embd wide), got {heads} * {head} != {cfg['hidden_size']}")
+    if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
+        raise ValueError(f"llama.cpp's qwen2moe graph runs SiLU experts; hidden_act={act!r} has no GGUF form")
+    if not cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("llama.cpp's qwen2moe graph always adds a shared expert; shared_expert_intermediate_size "
+                         "is unset or 0")
+    sliding = [i for i, t in enumerate(cfg.get("layer_types") or []) if t == "sliding_attention"]
+    if sliding and cfg.get("sliding_window"):
+        raise ValueError(f"llama.cpp's qwen2moe graph has no sliding window; this config (use_sliding_window) "
+                         f"limits layers {sliding} to {cfg['sliding_window']} tokens")
 
 
 def _check_gpt_oss(cfg: dict[str, Any]) -> None:

@@ -244,6 +244,12 @@ QWEN3_5_MOE_TEXT = _row(QWEN3_5_TEXT, "qwen3_5_moe_text", "Qwen3_5Moe",
 # Qwen3-MoE keeps dense MLP layers where config.mlp_only_layers says so; the others are MoE only.
 QWEN3_MOE = _row(QWEN3, "qwen3_moe", "Qwen3Moe", moe_block_class="Qwen3MoeSparseMoeBlock",
                  experts_class="Qwen3MoeExperts", gguf_arch="qwen3moe")
+# Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's layer (q/k/v biases) with a routed-experts block whose
+# shared expert (a Qwen2MoeMLP, as the dense layers of mlp_only_layers / decoder_sparse_step) is scaled by
+# sigmoid(shared_expert_gate(x)) in the block's own forward, stock around the fused experts: that product saves
+# the MLP's output (mlp_output_saved). Its attention passes no sliding_window kwarg (the mask carries the window).
+QWEN2_MOE = _row(QWEN2, "qwen2_moe", "Qwen2Moe", attention_kwargs=(), moe_block_class="Qwen2MoeSparseMoeBlock",
+                 experts_class="Qwen2MoeExperts", mlp_output_saved=True, gguf_arch="qwen2moe")
 MIXTRAL = _row(MISTRAL, "mixtral", "Mixtral", mlp_class=None, moe_block_class="MixtralSparseMoeBlock",
                experts_class="MixtralExperts", gguf_arch="llama")
 OLMOE = _row(LLAMA, "olmoe", "Olmoe", qk_norm="full", attention_kwargs=(("sliding_window", "config:sliding_window"),),
@@ -277,7 +283,7 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3_TEXT, PHI3, GRANITE, OLMO2,
                  OLMO3, MINISTRAL, SMOLLM3, GLM4, ERNIE4_5, HUNYUAN_V1_DENSE, EXAONE4, SEED_OSS, QWEN3_5_TEXT,
-                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT,
+                 QWEN3_MOE, MIXTRAL, OLMOE, GRANITEMOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE_TEXT, QWEN2_MOE,
                  QWEN2_VL, QWEN2_5_VL, GEMMA3)
 }
 

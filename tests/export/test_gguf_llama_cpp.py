@@ -1,7 +1,8 @@
 """Every GGUF fasttune can write, loaded in llama.cpp (llama-cpp-python): the embedded demo's and the
 llama family's in all 17 types (8 quantised in Python, 9 K-quants through llama.cpp's quantizer),
-and every other family's, the MoE ones (qwen3_moe, mixtral, gpt_oss, olmoe, granitemoe, glm4_moe) included, as
-F16, Q8_0 and Q4_0 (4/5-bit files keep an 8-bit output projection); Qwen3.5 and Qwen3.5-MoE as F32, F16, Q8_0.
+and every other family's, the MoE ones (qwen3_moe, mixtral, gpt_oss, olmoe, granitemoe, glm4_moe, qwen2_moe) included,
+as F16, Q8_0 and Q4_0 (4/5-bit files keep an 8-bit output projection); Qwen3.5, Qwen3.5-MoE and Qwen2-MoE as F32, F16,
+Q8_0.
 
 Each file is checked three ways:
 - tokenization: llama.cpp's ids equal transformers' on a few strings;
@@ -23,7 +24,8 @@ from fasttune import embedded
 from fasttune.export.gguf import K_QUANTS, PY_QUANTS, save_gguf
 from fasttune.export.gguf_moe_arch import gguf_tensor_name, name_map_key
 from helpers.gguf_models import (ARCH, EXAONE4_LLAMA3, EXAONE4_SWA, FAMILIES, MOE, QWEN3_5, SMOLLM3_NOPE,
-                                 family_tokenizer, gguf_model, gguf_moe_model, gguf_qwen3_5_moe_model)
+                                 family_tokenizer, gguf_model, gguf_moe_model, gguf_qwen2_moe_model,
+                                 gguf_qwen3_5_moe_model)
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/FACTS.md, GGUF section)")
 
@@ -191,6 +193,20 @@ def test_qwen3_5_moe_loads_in_llama_cpp(lora, tmp_path):
     ref.file_logits = lambda path: ref.live
     failed = [f for quant, path in zip(quants, save_gguf(model, tok, tmp_path, quants)) for f in ref.check(path, quant)]
     assert not [f for f in failed if f[2] > QWEN3_5_MOE_TOL[f[1]]], failed
+
+
+# Qwen2-MoE measured (relative L2 logit error vs the live model / vs the file's weights): plain F32 8.4e-7, F16
+# 9.0e-4 / 5.3e-4, Q8_0 3.9e-2 / 1.6e-2; LoRA-merged F32 1.0e-6, F16 1.0e-3 / 6.1e-4, Q8_0 2.7e-2 / 1.7e-2; without
+# q/k/v biases F32 8.2e-7. Judged by the MoE bounds of Reference.check.
+@pytest.mark.parametrize("lora, overrides", [(False, {}), (True, {}), (False, dict(qkv_bias=False))],
+                         ids=["plain", "lora-merged", "no-qkv-bias"])
+def test_qwen2_moe_loads_in_llama_cpp(lora, overrides, tmp_path):
+    """llama.cpp's qwen2moe: q/k/v biases (optional), routed experts split into ffn_{gate,up,down}_exps and not
+    renormalised, the sigmoid-gated shared expert (its gate a vector); with LoRA merged on every linear layer (the
+    shared expert and its gate included) and on the experts. Judged against the live model and the file's weights."""
+    model, tok = gguf_qwen2_moe_model(lora=lora, **overrides), family_tokenizer("qwen2_moe")
+    quants = ("f32", "f16", "q8_0")
+    _check_all(model, tok, "qwen2_moe", save_gguf(model, tok, tmp_path, quants), quants)
 
 
 def test_smollm3_nope_layer_loads_in_llama_cpp(tmp_path):

@@ -1,5 +1,6 @@
 """GGUF export of mixture-of-experts models (Qwen3-MoE as llama.cpp's ``qwen3moe``, Mixtral as
-``llama`` with expert tensors, OLMoE as ``olmoe``, GraniteMoE as ``granitemoe``, GLM-4.5 as ``glm4moe``;
+``llama`` with expert tensors, OLMoE as ``olmoe``, GraniteMoE as ``granitemoe``, GLM-4.5 as ``glm4moe``, Qwen2-MoE
+as ``qwen2moe``;
 gpt-oss's own layout is tested in test_gguf_moe_arch.py): the stacked experts split into llama.cpp's
 ``ffn_{gate,up,down}_exps`` with PEFT's merge of LoRA on the experts applied, the router as ``ffn_gate_inp``,
 the expert counts in the metadata, and llama.cpp's logits matching the HF model's. Configs llama.cpp cannot represent

@@ -1,5 +1,5 @@
 """gguf_moe_arch: gpt-oss's transposed, interleaved experts with biases split into llama.cpp's
-``ffn_{gate,up,down}_exps``, the attention sinks and router bias in the file, glm4moe's metadata, and
+``ffn_{gate,up,down}_exps``, the attention sinks and router bias in the file, glm4moe's and qwen2moe's metadata, and
 the configs each MoE graph cannot express refused before any file is written (gpt-oss's YaRN with
 truncate=False among them, unless approximate_yarn accepts it). The logits of every MoE arch against
 llama.cpp are in test_gguf_llama_cpp.py."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import gguf
-from fasttune.export.gguf import save_gguf
+from fasttune.export.gguf import gguf_refusal, save_gguf
 from fasttune.export.gguf_moe_arch import expert_parts, gguf_tensor_name, name_map_key
-from helpers.gguf_models import GPT_OSS_YARN, gguf_moe_model
+from helpers.gguf_models import GPT_OSS_YARN, gguf_moe_model, gguf_qwen2_moe_model
 from helpers.tiny_tokenizers import bpe_tokenizer
 
 try:
@@ -109,6 +109,29 @@ def test_glm4moe_metadata_dense_lead_shared_expert_and_selection_bias(tmp_path):
     np.testing.assert_array_equal(np.asarray(t.data), bias)
 
 
+def test_qwen2moe_metadata_shared_expert_and_its_gate(tmp_path):
+    """Qwen2-MoE as llama.cpp's qwen2moe: expert and shared-expert widths, q/k/v biases, the shared expert's sigmoid
+    gate (HF [1, H]) as a vector of n_embd, LoRA on it merged; a required ``output``."""
+    model = gguf_qwen2_moe_model()
+    path = save_gguf(model, bpe_tokenizer(), tmp_path, ["f32"], name="q2")[0]
+    reader = gguf.GGUFReader(path)
+    fields = {f.name: f.contents() for f in reader.fields.values()}
+    assert fields["general.architecture"] == "qwen2moe"
+    assert fields["qwen2moe.expert_count"] == 4 and fields["qwen2moe.expert_used_count"] == 2
+    assert fields["qwen2moe.expert_feed_forward_length"] == 128
+    assert fields["qwen2moe.expert_shared_feed_forward_length"] == 256
+    tensors = {t.name: t for t in reader.tensors}
+    merged = model.merge_and_unload().state_dict()
+    gate = tensors["blk.1.ffn_gate_inp_shexp.weight"]
+    assert [int(n) for n in gate.shape] == [256]
+    np.testing.assert_array_equal(np.asarray(gate.data), merged["model.layers.1.mlp.shared_expert_gate.weight"][0])
+    want = merged["model.layers.1.mlp.shared_expert.down_proj.weight"].numpy()
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.ffn_down_shexp.weight"].data).reshape(want.shape), want)
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias", "output.weight"} <= set(tensors)
+    assert not any(n.startswith("blk.") and n.split(".")[2] in ("ffn_gate", "ffn_up", "ffn_down") for n in tensors)
+    assert gguf_refusal(model.config) is None
+
+
 @pytest.mark.parametrize("family, overrides, match", [
     ("gpt_oss", dict(swiglu_limit=5.0), "limit=7.0"),
     ("gpt_oss", dict(swiglu_alpha=1.5), "alpha=1.702"),
@@ -120,12 +143,21 @@ def test_glm4moe_metadata_dense_lead_shared_expert_and_selection_bias(tmp_path):
     ("olmoe", dict(norm_topk_prob=True), "does not renormalise"),
     ("glm4_moe", dict(n_routed_experts=8, n_group=4, topk_group=2), "group-limited"),
     ("glm4_moe", dict(n_shared_experts=0), "shared expert"),
+    # qwen2moe: measured in llama.cpp (F32, tiny model): renormalised top-k 0.16 relative logit error, a window of 4
+    # tokens 0.72; heads narrower than hidden do not load
+    ("qwen2_moe", dict(norm_topk_prob=True), "does not renormalise"),
+    ("qwen2_moe", dict(mlp_only_layers=[1]), "dense layers"),
+    ("qwen2_moe", dict(decoder_sparse_step=2), "dense layers"),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2), "no sliding window"),
+    ("qwen2_moe", dict(head_dim=32), "num_attention_heads \\* head_dim"),
+    ("qwen2_moe", dict(hidden_act="gelu"), "SiLU"),
 ])
 def test_configs_llama_cpp_cannot_express_are_refused_before_writing(family, overrides, match, tmp_path):
     model = gguf_moe_model(family, **overrides)
     with pytest.raises(ValueError, match=match):
         save_gguf(model, bpe_tokenizer(), tmp_path, ["f16"], name="x")
     assert list(tmp_path.iterdir()) == []
+    assert gguf_refusal(model.config) is not None  # FastTrainer's check at construction says so too
 
 
 def test_untruncated_yarn_is_written_when_accepted(tmp_path, caplog):

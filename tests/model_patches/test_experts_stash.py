@@ -21,7 +21,7 @@ from helpers.tiny_models import make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-MOE_BLOCKS = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2}  # per tiny model (Qwen3-MoE's first layer is dense)
+MOE_BLOCKS = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2, "qwen2_moe": 1}  # per tiny model (Qwen3-MoE's first layer is dense)
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -68,7 +68,8 @@ def _assert_same(got, ref):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the Triton path's Function calls; on a CUDA machine "
                     "these CPU tensors take the reference path (the interpreter is on only without CUDA)")
-@pytest.mark.parametrize("model_type,lora", [("qwen3_moe", True), ("gpt_oss", True), ("mixtral", False)])
+@pytest.mark.parametrize("model_type,lora", [("qwen3_moe", True), ("gpt_oss", True), ("mixtral", False),
+                                             ("qwen2_moe", True)])
 def test_bitwise_equal_to_no_checkpointing_and_the_experts_are_not_recomputed(model_type, lora, monkeypatch):
     """LoRA on the experts (Qwen3-MoE; gpt-oss's transposed weights with biases) and full fine-tuning
     (Mixtral: router and experts train)."""

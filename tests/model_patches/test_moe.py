@@ -30,9 +30,9 @@ from helpers.tiny_models import MOE_TYPES, make_batch, stock_fallback_ops, tiny_
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-# MoE blocks per tiny model (Qwen3-MoE and GLM-4-MoE have one dense layer of two) and the patched ops.
+# MoE blocks per tiny model (Qwen3-MoE, GLM-4-MoE and Qwen2-MoE have one dense layer of two) and the patched ops.
 MOE_BLOCKS = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2, "olmoe": 2, "granitemoe": 2, "glm4_moe": 1,
-              "qwen3_5_moe_text": 2}
+              "qwen3_5_moe_text": 2, "qwen2_moe": 1}
 EXPECTED = {
     "qwen3_moe": dict(rms_norm=9, mlp=1, residual_norms=2),
     "mixtral": dict(rms_norm=5, residual_norms=2),
@@ -42,6 +42,7 @@ EXPECTED = {
     "glm4_moe": dict(rms_norm=9, mlp=2, residual_norms=2),  # the dense layer's MLP and the shared expert
     # Qwen3.5-MoE: one gated-delta-rule layer (stock) and one attention layer; the shared experts' MLPs.
     "qwen3_5_moe_text": dict(rms_norm=7, mlp=2, rope=1),
+    "qwen2_moe": dict(rms_norm=5, mlp=2, residual_norms=2),  # the dense layer's MLP and the shared expert
 }
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -121,7 +122,7 @@ def _widened(model) -> list:
 
 
 @pytest.mark.parametrize("widen", [True, False])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "qwen2_moe"])
 def test_lora_on_experts_parity(model_type, widen, device):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMS,
                         init_lora_weights=False)  # B ≠ 0: the adapters change the output
@@ -259,8 +260,9 @@ def test_lora_on_experts_under_offload_skips_the_down_projection_exactly(device,
     assert report.calls["lora_moe", FUSED] == 4
 
 
-def test_greedy_generation_with_cache_matches_stock(device):
-    stock = tiny_model("qwen3_moe", seed=7).to(device)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_greedy_generation_with_cache_matches_stock(model_type, device):
+    stock = tiny_model(model_type, seed=7).to(device)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig())
     stock.eval(), fast.eval()
@@ -333,16 +335,19 @@ def test_qwen3_30b_a3b_layers_at_real_size(dtype):
     assert not bad, f"{len(bad)} gradients farther from fp32 than 2× stock bf16 + 1e-2: {dict(list(bad.items())[:5])}"
 
 
-def test_gated_shared_expert_lora_under_offload_matches_stock(device):
-    """Qwen3.5-MoE scales its shared expert (a dense MLP) by a sigmoid gate, a product that saves the MLP's
-    output for backward: the checkpoint's recompute must not skip that MLP's down projection (it did, giving
-    NaN gradients, before the row said ``mlp_output_saved``). LoRA on attention, the shared expert and the
-    experts, under "offload"."""
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen2_moe"])
+def test_gated_shared_expert_lora_under_offload_matches_stock(model_type, device):
+    """Qwen3.5-MoE and Qwen2-MoE scale their shared expert (a dense MLP) by a sigmoid gate, a product that saves
+    the MLP's output for backward: the checkpoint's recompute must not skip that MLP's down projection (it did,
+    giving NaN gradients, before the row said ``mlp_output_saved``). LoRA on attention, the shared expert (and
+    Qwen2-MoE's dense layer) and the experts, under "offload"."""
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
                         target_parameters=EXPERT_PARAMS, init_lora_weights=False)
-    stock = get_peft_model(tiny_model("qwen3_5_moe_text", seed=2), config).to(device)
+    stock = get_peft_model(tiny_model(model_type, seed=2), config).to(device)
     fast = copy.deepcopy(stock)
     report = patch_model(fast, FastConfig(checkpointing="offload"))
-    assert report.patched["lora_mlp"] == 2 and report.patched["lora_moe"] == 2, str(report)
+    blocks = MOE_BLOCKS[model_type]
+    assert report.patched["lora_mlp"] == 2 and report.patched["lora_moe"] == blocks, str(report)
     _compare(stock, fast, seed=5, device=device)
-    assert report.calls["lora_mlp", FUSED] == 4 and report.calls["lora_moe", FUSED] == 4  # forward and recompute
+    # forward and recompute
+    assert report.calls["lora_mlp", FUSED] == 4 and report.calls["lora_moe", FUSED] == 2 * blocks

@@ -26,7 +26,7 @@ from helpers.tiny_models import make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-BLOCKS = {"qwen3_moe": 1, "gpt_oss": 1, "mixtral": 1}  # MoE layers of each tiny model (helpers.nf4_moe.SHAPES)
+BLOCKS = {"qwen3_moe": 1, "gpt_oss": 1, "mixtral": 1, "qwen2_moe": 1}  # MoE layers of each tiny model (helpers.nf4_moe.SHAPES)
 
 def moe_fallbacks(report) -> list:
     """Fallbacks of the MoE ops (the dense layer's 4-bit MLP without LoRA falls back on its own)."""
@@ -54,7 +54,7 @@ def _experts_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "mixtral", "qwen2_moe"])
 def test_lora_on_experts_and_attention_with_nf4_experts(model_type, double_quant, device, tmp_path):
     base = load_4bit(model_type, tmp_path, device, double_quant=double_quant)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, target_parameters=EXPERT_PARAMS,

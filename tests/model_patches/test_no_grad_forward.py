@@ -21,7 +21,7 @@ EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def _model(model_type, dtype=torch.float32, lora=True, router_logits=False):
-    moe = model_type in ("qwen3_moe", "mixtral")
+    moe = model_type in ("qwen3_moe", "mixtral", "qwen2_moe")
     model = tiny_model(model_type, dtype=dtype, seed=0, **(dict(output_router_logits=router_logits) if moe else {}))
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -64,7 +64,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["recompute", "offload"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "qwen2_moe"])
 def test_gradients_equal_the_recorded_checkpoint_bitwise(model_type, mode, dtype):
     """Every layer's forward ran without autograd (counted), and loss and every LoRA gradient equal
     those of the graph-recording checkpoint with every kernel on, bit for bit."""
@@ -75,11 +75,11 @@ def test_gradients_equal_the_recorded_checkpoint_bitwise(model_type, mode, dtype
     _same(fast, recorded)
     fused = {k: n for k, n in report.calls.items() if k[1] == FUSED and k[0] != OP}
     assert fused == {k: n for k, n in recorded_report.calls.items() if k[1] == FUSED}  # the same kernels ran
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         assert report.calls["lora_moe", FUSED] > 0
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "qwen2_moe"])
 def test_gradients_equal_an_unchecked_run_bitwise(model_type):
     """Against the same patched model without checkpointing (the same kernels, run once)."""
     _, fast = _run(model_type, "offload")

@@ -116,6 +116,11 @@ MOE = {
                                  first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
                                  routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
                                  use_qk_norm=True)),
+    # Qwen1.5-MoE's shape: q/k/v biases, a sigmoid-gated shared expert, softmax → top-k not renormalised, every
+    # layer a mixture, full attention (llama.cpp's qwen2moe has no dense layers and no window: refused otherwise)
+    "qwen2_moe": ("qwen2moe", dict(num_experts=4, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                                   intermediate_size=512, norm_topk_prob=False, qkv_bias=True, mlp_only_layers=[],
+                                   decoder_sparse_step=1, use_sliding_window=False)),
 }
 # Where the stacked experts live when it is not ``mlp.experts`` (PEFT's target_parameters).
 EXPERTS_AT = {"granitemoe": "block_sparse_moe.experts"}
@@ -127,6 +132,15 @@ def gguf_moe_model(family: str, **overrides):
 
     cfg = AutoConfig.for_model(family, **{**MOE_DIMS, **MOE[family][1], **overrides})
     return _random_moe_lora(cfg, EXPERTS_AT.get(family, "mlp.experts"), ["q_proj", "v_proj"])
+
+
+def gguf_qwen2_moe_model(lora: bool = True, **overrides):
+    """The tiny Qwen2-MoE of ``MOE`` with random weights; with ``lora``, LoRA (random B) on every linear layer
+    (the shared expert and its sigmoid gate included) and on the stacked experts, so the merge of each matters."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen2_moe", **{**MOE_DIMS, **MOE["qwen2_moe"][1], **overrides})
+    return _random_moe_lora(cfg, "mlp.experts", "all-linear" if lora else None)
 
 
 def gguf_qwen3_5_moe_model(lora: bool = True, **overrides):

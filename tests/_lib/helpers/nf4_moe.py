@@ -20,6 +20,8 @@ SHAPES = {
     # Linear4bit's weight for its CPU kernel at the first eval forward and asserts out_features % 32 == 0.
     "qwen3_moe": dict(hidden_size=128, head_dim=32, intermediate_size=256),
     "gpt_oss": dict(hidden_size=128, head_dim=32, num_hidden_layers=1, layer_types=["sliding_attention"]),
+    # qwen2_moe: the shared expert (a 4-bit Linear) 64 wide, its gate a 4-bit Linear(128, 1); the second layer dense
+    "qwen2_moe": dict(hidden_size=128, head_dim=32, intermediate_size=256, shared_expert_intermediate_size=64),
     "mixtral": dict(hidden_size=128, head_dim=32, num_hidden_layers=1),
 }
 

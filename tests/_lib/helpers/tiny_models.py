@@ -83,7 +83,8 @@ _EXTRA = {
 # Mixture-of-experts families (tests/model_patches/test_moe.py): 4 experts, top-2, a small vocab
 # (the large-vocab path is the loss head's, covered by the dense families). Qwen3-MoE's second
 # layer is dense (mlp_only_layers), so both layer kinds run.
-MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "glm4_moe", "qwen3_5_moe_text")
+MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "glm4_moe", "qwen3_5_moe_text",
+             "qwen2_moe")
 _MOE = dict(vocab_size=1000, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
 _EXTRA.update({
     "qwen3_moe": dict(_MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
@@ -97,6 +98,11 @@ _EXTRA.update({
                      partial_rotary_factor=0.5),
     "qwen3_5_moe_text": dict(_EXTRA["qwen3_5_text"], **_MOE, num_experts=4, moe_intermediate_size=32,
                              shared_expert_intermediate_size=48),
+    # Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert, the second layer dense (mlp_only_layers; its
+    # intermediate_size 200), a sliding first layer (window 8) and softmax → top-k without renormalising.
+    "qwen2_moe": dict(_MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, qkv_bias=True, mlp_only_layers=[1], decoder_sparse_step=1,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "granitemoe": dict(_MOE, num_local_experts=4, intermediate_size=32, embedding_multiplier=2.0,
                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
 })
