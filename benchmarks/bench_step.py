@@ -41,7 +41,9 @@ garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora
 fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
 ``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
 ``--attention-stash`` with ``FastConfig(attention_stash=True)`` on the offloading stacks (the attention
-core's saved tensors in host memory instead of recomputed; its counters follow the row),
+core's saved tensors in host memory instead of recomputed; its counters follow the row), ``--mlp-stash``
+with ``FastConfig(mlp_stash=True)`` (the same for each layer's MLP; the link rate and layer time the stash
+measured follow the row),
 ``--no-grad-forward`` with ``FastConfig(checkpoint_no_grad_forward=True)`` (the checkpointed layers' forward
 without autograd, on for dense families too) and ``--forward-graphs`` with that and
 ``FastConfig(checkpoint_forward_graphs=True)`` (that forward replayed from CUDA graphs); ``--backward-graphs``
@@ -74,6 +76,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
 
 if "--worker" in sys.argv and sys.argv[sys.argv.index("--worker") + 1:][:1] == ["unsloth"]:
@@ -230,6 +233,7 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
                                                residual_norms=not args.no_residual_norms,
                                                base_dtype="fp8" if fp8 else "auto",
                                                attention_stash=args.attention_stash and mode != "recompute",
+                                               mlp_stash=args.mlp_stash and mode != "recompute",
                                                memory_budget_gb=args.memory_budget_gb if mode == "auto" else None,
                                                checkpoint_no_grad_forward=True if args.no_grad_forward
                                                or args.forward_graphs or args.backward_graphs else None,
@@ -555,7 +559,10 @@ def worker(stack: str, args) -> None:
                         log(f"    {row['auto']}")
                     if getattr(state, "stash", None) is not None:
                         row["stash"] = dataclasses.asdict(state.stash.stats)
-                        log(f"    stash {row['stash']}")
+                        link = state.stash.link
+                        row["stash_link"] = {"rate_gib_s": link.rate and link.rate / 2**30,
+                                             "layer_ms": link.layer_s and link.layer_s * 1e3}
+                        log(f"    stash {row['stash']} link {row['stash_link']}")
                     if getattr(state, "checkpointer", None) is not None:
                         pool = state.checkpointer.pool  # allocations: pinned buffers made (each a cudaHostAlloc)
                         row["offload"] = dataclasses.asdict(state.checkpointer.stats)
@@ -580,6 +587,7 @@ def worker(stack: str, args) -> None:
                 row["error"] = "out of memory"
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
+                log(traceback.format_exc())
             del step
             model.zero_grad(set_to_none=True)
             release()
@@ -609,6 +617,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
         + (["--attention-stash"] if args.attention_stash else []) \
+        + (["--mlp-stash"] if args.mlp_stash else []) \
         + (["--no-grad-forward"] if args.no_grad_forward else []) \
         + (["--forward-graphs"] if args.forward_graphs else []) \
         + (["--backward-graphs"] if args.backward_graphs else []) \
@@ -703,6 +712,8 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
     p.add_argument("--attention-stash", action="store_true",
                    help="fasttune offload/auto stacks with FastConfig(attention_stash=True)")
+    p.add_argument("--mlp-stash", action="store_true",
+                   help="fasttune offload/auto stacks with FastConfig(mlp_stash=True)")
     p.add_argument("--no-grad-forward", action="store_true",
                    help="fasttune stacks with FastConfig(checkpoint_no_grad_forward=True) (on for dense families too)")
     p.add_argument("--forward-graphs", action="store_true",

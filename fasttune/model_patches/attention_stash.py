@@ -27,9 +27,10 @@ ones (< 1 MiB) and ones whose memory has gaps.
 Host memory: about 0.2 GiB per layer at 8,192 tokens of an 8B model (q, k, v, the attention output,
 the projections' input). A core that would take the stash past its budget (half the host memory
 available when a forward's stash was empty, plus the pool's free pinned buffers) is recomputed as
-usual, and the forward's first such layer is logged. The link is a budget too: while the copies of the
-core stashed two cores before are still running, the next core is recomputed as usual instead, so
-the copies waiting on the GPU stay within about two layers' worth. Not stashed: eager attention (it saves the
+usual, and the forward's first such layer is logged. The link is a budget too, in GPU time (``stash_link.py``): a
+core goes only while the link, at the rate measured on the run, keeps pace with the forward; the
+others are recomputed as usual. The cores' copies run on a stream of their own, and the device memory
+they read is let go in stream order a few layers later (no ``record_stream``). Not stashed: eager attention (it saves the
 [S, S] probabilities), attention dropout in training (skipping the core would shift the RNG for
 what follows), a KV cache, a core called more than once in one layer call (the first call is).
 
@@ -43,7 +44,6 @@ its recompute begins, so the experts' copies overlap the attention's recompute.
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import logging
 import os
@@ -55,15 +55,16 @@ from typing import Callable
 import torch
 
 from .offload import OffloadedCheckpointer
+from .stash_link import HeldOriginals, LinkBudget
 
 logger = logging.getLogger("fasttune")
 
 MIN_BYTES = 1 << 20
-LINK_LAG = 2  # stashed cores whose copies may still be on their way when the next core starts
 STORAGE_SLACK = 2  # a saved view's whole storage is copied when it is at most this many times the view
 HOST_SHARE = 0.5  # of the memory available to the process when a forward starts stashing
 
-ATTENTION, EXPERTS = "attention", "experts"  # the kinds of core (``StashChain.kinds``)
+ATTENTION, EXPERTS, MLP = "attention", "experts", "mlp"  # the kinds of core (``StashChain.kinds``)
+FETCHED_A_LAYER_AHEAD = (EXPERTS, MLP)  # cores whose output nobody reads: their blocks come back one layer early
 
 _CURRENT = contextvars.ContextVar("fasttune_attention_stash", default=None)
 
@@ -96,7 +97,8 @@ class StashStats:
         cores_stashed: cores whose saved tensors went to the host (forward).
         cores_skipped: recomputes that took a core's output back instead of running it.
         cores_over_budget: cores run and recomputed as usual because the host budget was full.
-        cores_link_busy: cores run and recomputed as usual because the host link was behind.
+        cores_link_busy: cores run and recomputed as usual because the host link was behind (or, once
+            measured, its budget for this forward was spent: ``stash_link.LinkBudget``).
         blocks: host copies made; bytes: their size.
     """
 
@@ -115,40 +117,64 @@ class StashChain:
     def __init__(self, checkpointer: OffloadedCheckpointer, budget_bytes: int | None = None,
                  kinds: tuple[str, ...] = (ATTENTION,)):
         self.checkpointer = checkpointer
-        self.kinds = frozenset(kinds)  # the cores that go to the host: ATTENTION and/or EXPERTS
+        self.kinds = frozenset(kinds)  # the cores that go to the host: ATTENTION, EXPERTS and/or MLP
         self.fixed_budget = budget_bytes  # tests pin it; None: measured when the stash is empty
         self.budget: int | None = None
         self.stats = StashStats()
         self.min_bytes = MIN_BYTES  # smaller saved tensors stay on the device (tests lower it)
         self.host_bytes = 0
         self.last: weakref.ref | None = None
-        self._copies: collections.deque = collections.deque(maxlen=LINK_LAG)
         self._lock = threading.Lock()
         self._warned_budget = False
+        self.link = LinkBudget()  # the link's budget in GPU time, once measured
+        checkpointer.copy_timer = self.link.copies_timed  # every copy to the host times the link, inputs too
+        self.held = HeldOriginals()  # device memory the copies in flight read
+        self._input_bytes = 0  # of the offloaded layer input now running
+        self._streams: dict = {}  # per device: the stream the cores' copies to the host run on
 
-    def new_layer(self) -> "LayerStash":
-        """The stash of one checkpointed layer call (held by that call's recompute function)."""
+    def new_layer(self, index: int = 0, hidden: torch.Tensor | None = None) -> "LayerStash":
+        """The stash of one checkpointed layer call (held by that call's recompute function), made as the
+        forward of layer ``index`` with input ``hidden`` begins."""
+        if hidden is not None:
+            self._input_bytes = hidden.numel() * hidden.element_size()
+            self.held.layer_started()
+            self.link.layer_started(index, hidden.device, self._input_bytes)
         stash = LayerStash(self, self.last)
         self.last = weakref.ref(stash)
         return stash
 
-    def link_busy(self) -> bool:
-        """The host link is behind: the copies of the core stashed ``LINK_LAG`` cores ago are not done.
+    def link_busy(self, core_bytes: int = 0, device: torch.device | None = None) -> bool:
+        """The host link cannot take this core now (``LinkBudget``: this forward's share is spent, or not
+        measured yet: the first training step stashes nothing on CUDA); it is then recomputed as usual."""
+        if device is None or device.type != "cuda":
+            return False  # copies on the CPU are synchronous: no link to fall behind
+        busy = not (self.link.measured and self.link.admits(core_bytes))
+        if busy:
+            self.stats.cores_link_busy += 1
+        return busy
 
-        Then this core is recomputed instead, so the copies waiting on the GPU stay within a couple
-        of layers' worth whatever the link's rate (the stash takes what the link can carry)."""
-        if len(self._copies) < LINK_LAG or self._copies[0].query():
-            return False
-        self.stats.cores_link_busy += 1
-        return True
-
-    def copies_queued(self, device: torch.device) -> None:
-        """Mark the end of a stashed core's copies on the side stream (CUDA; copies are synchronous on CPU)."""
+    def send(self, flats: list[torch.Tensor]) -> list:
+        """Start the host copies of one core's blocks (``OffloadedCheckpointer.pack_many``). On CUDA they run
+        on a stream of their own, so that the next layer input's copy (which the compute stream waits for a
+        layer later) does not queue behind them; the device originals are held (``HeldOriginals``) and the
+        copies timed for the ``LinkBudget``."""
+        checkpointer = self.checkpointer
+        if not flats:  # everything the core saved stays on the device (small, or parameters)
+            return []
+        device = flats[0].device
         if device.type != "cuda":
-            return
-        event = torch.cuda.Event()
-        event.record(self.checkpointer.side_stream(device))
-        self._copies.append(event)
+            return checkpointer.pack_many(flats)
+        compute, side = torch.cuda.current_stream(device), checkpointer.side_stream(device)
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device=device)
+        stream.wait_stream(side)  # host buffers are reused in the side stream's order
+        packed = checkpointer.pack_many(flats, held=True, stream=stream)
+        end = packed[0].copied
+        for p in packed:
+            p.copied = p.home = None  # the originals are ours to hold (they are not ``on_device``)
+        self.held.hold(end, compute, list(flats))
+        return packed
 
     def admit(self, core_bytes: int) -> bool:
         """May one more core of ``core_bytes`` go to the host?"""
@@ -246,6 +272,12 @@ class StashedRef:
         return flat.as_strided(self.shape, self.stride, self.offset)
 
 
+def _device(module: torch.nn.Module) -> torch.device | None:
+    """Where the core runs: its module's first parameter's device (None without parameters)."""
+    p = next(module.parameters(), None)
+    return None if p is None else p.device
+
+
 def _storage_ptr(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage().data_ptr()
@@ -298,11 +330,12 @@ class LayerStash:
         self.recompute = recompute
         self.calls = {}
         if recompute:
+            self.chain.held.release_all()  # the forward is over: its copies' originals go in stream order
             for block in self.blocks:
                 block.prefetch()
             below = self.prev() if self.prev is not None else None
             for block in below.blocks if below is not None else ():
-                if block.kind == EXPERTS:
+                if block.kind in FETCHED_A_LAYER_AHEAD:
                     block.prefetch()
         return _CURRENT.set(self)
 
@@ -339,8 +372,8 @@ class LayerStash:
                     if isinstance(ref_below, StashedRef):
                         ref_below.block.prefetch()
             return out, None
-        if (kind not in self.chain.kinds or index > 0 or self.chain.link_busy()
-                or not self.chain.admit(core_bytes)):
+        if (kind not in self.chain.kinds or index > 0 or not self.chain.admit(core_bytes)
+                or self.chain.link_busy(core_bytes, _device(module))):
             self.plan[key] = None
             return core()
         self._params = tuple(module.parameters())
@@ -352,7 +385,7 @@ class LayerStash:
                 out, extra = core()
             ref = UnusedOutput(out) if output_unused else self.ref(out, force=True)
             pending = list(self._by_address.values())
-            for block, packed in zip(pending, self.chain.checkpointer.pack_many([b.flat for b in pending])):
+            for block, packed in zip(pending, self.chain.send([b.flat for b in pending])):
                 block.packed, block.flat = packed, None
         finally:
             self._alive = None
@@ -363,7 +396,6 @@ class LayerStash:
                                "cannot be copied flat")
         self.plan[key] = ref
         self.grad[key] = out.requires_grad
-        self.chain.copies_queued(out.device)
         self.chain.stats.cores_stashed += 1
         return out, extra
 
@@ -432,5 +464,5 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
         return saved.get() if isinstance(saved, StashedRef) else saved
 
 
-__all__ = ["ATTENTION", "EXPERTS", "LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef",
+__all__ = ["ATTENTION", "EXPERTS", "MLP", "LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef",
            "UnusedOutput", "available_host_bytes", "current"]

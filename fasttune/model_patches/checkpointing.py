@@ -57,7 +57,7 @@ from ..config import FastConfig
 from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
-from .attention_stash import ATTENTION, EXPERTS, LayerStash, StashChain
+from .attention_stash import ATTENTION, EXPERTS, MLP, LayerStash, StashChain
 from . import no_grad_forward
 from .offload import OffloadedCheckpointer
 from .report import PatchReport
@@ -260,7 +260,7 @@ class LayerCheckpointing:
         mode: "recompute", "offload" or "auto".
         n_layers: decoder layers wrapped.
         checkpointer: the ``OffloadedCheckpointer`` (offload and auto).
-        stash: the ``StashChain`` of ``FastConfig.attention_stash`` / ``experts_stash`` (offload and
+        stash: the ``StashChain`` of ``FastConfig.attention_stash`` / ``experts_stash`` / ``mlp_stash`` (offload and
             auto), else None.
         policy: the ``AutoPolicy`` (auto only).
         resident: layers [0, resident) run resident in the current forward (auto).
@@ -272,7 +272,8 @@ class LayerCheckpointing:
         self.base = base
         self.n_layers = n_layers
         self.checkpointer = OffloadedCheckpointer() if mode in ("offload", "auto") else None
-        kinds = tuple(k for k, on in ((ATTENTION, config.attention_stash), (EXPERTS, config.experts_stash)) if on)
+        kinds = tuple(k for k, on in ((ATTENTION, config.attention_stash), (EXPERTS, config.experts_stash),
+                                      (MLP, config.mlp_stash)) if on)
         self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
@@ -367,7 +368,7 @@ class CheckpointedLayerForward(PatchedForward):
             return self.stock(hidden, *args, **kwargs)
         kwargs = self._without_cache(kwargs)
         stash = self.state.stash if how == OFFLOAD else None
-        fn = ForwardThenRecompute(self.stock, stash.new_layer() if stash is not None else None)
+        fn = ForwardThenRecompute(self.stock, stash.new_layer(self.index, hidden) if stash is not None else None)
         without_graph, graphs = no_grad_forward.chosen(self, stash is not None, args, kwargs), self.state.graphs
         with self.state.checkpointer.offloading(hidden) if how == OFFLOAD else contextlib.nullcontext():
             if without_graph:

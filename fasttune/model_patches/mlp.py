@@ -10,6 +10,12 @@ module computing something else than its config says stays stock instead of sile
 Hook for fused LoRA: ``fused_mlp(module, x) -> Tensor`` on an installed forward replaces the
 whole computation; None (the default) runs the path above through the module's own projection
 submodules (so PEFT LoRA and bitsandbytes layers keep working).
+
+The MLP stash (``FastConfig.mlp_stash``): in an offloaded decoder layer the MLP of the layer (not a
+shared expert) is a core of ``attention_stash.py``: what it saves for backward goes to the host and its
+recompute is skipped. Its output is not stashed where it only enters the residual sum
+(``FamilySpec.mlp_output_saved`` False). Not stashed: an MLP with dropout inside (PEFT's
+``lora_dropout``: skipping the core in the recompute would shift the random numbers of what follows).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import FastConfig
+from . import attention_stash
 from .attention import float_dtype, output_dropout
 from .families import ACTIVATIONS, FamilySpec, family_class
+from .forward_graphs import draws_dropout
 from .instance import DECODE_STEP, PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .report import PatchReport
 
@@ -48,13 +56,17 @@ class FastMLPForward(PatchedForward):
         fused_mlp: ``(module, x) -> Tensor`` replacing the whole MLP (fused LoRA), or None.
         activation: the kernel activation ("silu", "gelu_tanh", "gelu"), or None to apply the
             module's own activation function (installed for the hook only).
+        layer_mlp: the ``mlp`` of a decoder layer (the MLP stash's core), not a shared expert.
+        output_saved: an op after the MLP saves its output (``FamilySpec.mlp_output_saved``).
     """
 
     op = OP
 
     def __init__(self, module: nn.Module, stock, layout: str, activation: str | None, act_attr: str,
-                 dropout_attr: str | None = None):
+                 dropout_attr: str | None = None, layer_mlp: bool = False, output_saved: bool = True):
         super().__init__(module, stock)
+        self.layer_mlp = layer_mlp
+        self.output_saved = output_saved
         self.dropout_attr = dropout_attr  # FamilySpec.output_dropout_attr: dropout after down_proj (Seed-OSS)
         self.fused_mlp: Callable | None = None
         self.layout = layout
@@ -87,18 +99,45 @@ class FastMLPForward(PatchedForward):
             if self.activation is not None:
                 self.count("other arguments than one tensor" if x is None else DECODE_STEP)
             return self.stock(*args, **kwargs)
-        if self.fused_mlp is not None:  # counted by the hook (lora.LoRAMLPHook), or by _act when it falls back
-            out = self.fused_mlp(self.module, x)
+        stash = attention_stash.current() if self.layer_mlp else None
+        if stash is not None and torch.is_grad_enabled() and not self._dropout_inside():
+            # What the core saves: its input and the gate/up products (the fused path's; about so otherwise).
+            core_bytes = (x.numel() + 2 * x.numel() // x.shape[-1] * self._width()) * x.element_size()
+            out = stash.run(lambda: (self._compute(x), None), core_bytes, self.module, attention_stash.MLP,
+                            saved_all=True, output_unused=not self.output_saved)[0]
         else:
-            out = self.unfused(x)
+            out = self._compute(x)
         # After a recompute that skipped the down projection (NaN output) the dropout still draws its mask, the
         # only thing its backward needs: the same random numbers as the forward's, the same gradients.
         return output_dropout(self.module, out, self.dropout_attr)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_mlp is not None:  # counted by the hook (lora.LoRAMLPHook), or by _act when it falls back
+            return self.fused_mlp(self.module, x)
+        return self.unfused(x)
+
+    def _dropout_inside(self) -> bool:
+        """Does a submodule (PEFT's ``lora_dropout``) draw random numbers in this call? (The module's own
+        output dropout comes after the core.)"""
+        return self.module.training and any(draws_dropout(m) for m in self.module.modules() if m is not self.module)
+
+    def _width(self) -> int:
+        """The intermediate width I."""
+        m = self.module
+        if self.layout == "fused":
+            return _out_features(m.gate_up_proj) // 2
+        return _out_features(m.gate_proj)
 
     def unfused(self, x: torch.Tensor) -> torch.Tensor:
         """The module's own projections around the activation kernel (what a fused hook falls back to)."""
         gate, up = self._gate_up(x)
         return self.module.down_proj(self._act(gate, up))
+
+
+def _out_features(proj: nn.Module) -> int:
+    """Output width of a projection module (nn.Linear, a PEFT LoRA layer, a bitsandbytes layer)."""
+    base = getattr(proj, "base_layer", proj)
+    return int(getattr(base, "out_features", 0) or 0)
 
 
 def config_activation(config, spec: FamilySpec) -> str | None:
@@ -171,11 +210,14 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
     if mlp_cls is None:
         return
     layer_cls = classes.get("decoder_layer_class")
+    layer_mlps = set()  # ids of the decoder layers' own MLPs (not shared experts)
     for name, module in base.named_modules():
         if layer_cls is not None and type(module) is layer_cls:
             child = getattr(module, MLP_ATTR, None)
             if child is not None and type(child) is not mlp_cls and type(child).__name__ != spec.moe_block_class:
                 report.fallback(op, f"{name}.{MLP_ATTR}", f"is {type(child).__name__}, not {spec.mlp_class}")
+            if child is not None:
+                layer_mlps.add(id(child))
         if type(module) is not mlp_cls:
             continue
         # The module's own config is what its activation was built from.
@@ -185,7 +227,8 @@ def patch_mlp(base: nn.Module, spec: FamilySpec, classes: dict, config: FastConf
             report.fallback(op, name, reason)
             continue
         kind = ACTIVATIONS[activation] if config.mlp else None
-        fwd = FastMLPForward(module, stock_forward(module), spec.mlp_layout, kind, act_attr, spec.output_dropout_attr)
+        fwd = FastMLPForward(module, stock_forward(module), spec.mlp_layout, kind, act_attr, spec.output_dropout_attr,
+                             layer_mlp=id(module) in layer_mlps, output_saved=spec.mlp_output_saved)
         swap_forward(module, fwd, report)
         report.add(op, counted=config.mlp)  # the LoRA hook point alone runs no kernel of its own
 

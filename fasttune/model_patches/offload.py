@@ -227,6 +227,7 @@ class OffloadedCheckpointer:
         self._pools: dict[bool, HostBufferPool] = {}
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._last: weakref.ref | None = None
+        self.copy_timer = None  # (bytes, start event, end event) of each batch of copies to the host, or None
 
     # -- pool ---------------------------------------------------------------------------------
     def _pool(self, pinned: bool) -> HostBufferPool:
@@ -274,17 +275,26 @@ class OffloadedCheckpointer:
         self._last = weakref.ref(packed)
         return packed
 
-    def pack_many(self, tensors: list[torch.Tensor]) -> list[OffloadedTensor]:
+    def pack_many(self, tensors: list[torch.Tensor], held: bool = False,
+                  stream: torch.cuda.Stream | None = None) -> list[OffloadedTensor]:
         """``pack(t, chain=False)`` for each of ``tensors`` (one device), with one wait for the compute
         stream and one switch to the side stream for all their copies (the attention stash's blocks of one
-        core: a switch per copy costs host time in a forward that is close to host-bound)."""
-        return self._copy_out([t.detach() for t in tensors])
+        core: a switch per copy costs host time in a forward that is close to host-bound).
 
-    def _copy_out(self, tensors: list[torch.Tensor], held: bool = False) -> list[OffloadedTensor]:
+        ``held`` (CUDA): the originals are not ``record_stream``'d; the caller keeps them until the compute
+        stream has waited for the copies' event, ``copied`` of each result (timed: ``stash_link.py``).
+        ``stream``: the copies' stream instead of the side stream; it must first wait for the side stream
+        (pooled host buffers are reused in the side stream's order)."""
+        return self._copy_out([t.detach() for t in tensors], held=held, stream=stream)
+
+    def _copy_out(self, tensors: list[torch.Tensor], held: bool = False,
+                  stream: torch.cuda.Stream | None = None) -> list[OffloadedTensor]:
         """Start the device-to-host copies of ``tensors`` (detached, one device) into pooled buffers.
 
         ``held``: the caller keeps each original as ``on_device`` and lets it go only through
-        ``release_original`` (stream-ordered reuse); else the originals are ``record_stream``'d."""
+        ``release_original`` (stream-ordered reuse); else the originals are ``record_stream``'d.
+        With ``copy_timer`` set (CUDA) it is called with (bytes, start, end): events on the copies' stream
+        right around them (the stashes' link budget, ``stash_link.py``)."""
         if not tensors:
             return []
         device = tensors[0].device
@@ -294,14 +304,20 @@ class OffloadedCheckpointer:
         packed = [OffloadedTensor(t, pool.acquire(t.numel() * t.element_size(), device_key), pool, device_key)
                   for t in tensors]
         if cuda:
-            side = self.side_stream(device)
+            side = stream or self.side_stream(device)
             side.wait_stream(torch.cuda.current_stream(device))  # the copies must see the finished tensors
+            timer = self.copy_timer
             with torch.cuda.stream(side):
+                if timer is not None:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(side)
                 for p, t in zip(packed, tensors):
                     p.host.copy_(t, non_blocking=True)
-                copied = torch.cuda.Event() if held else None
-                if held:
+                copied = torch.cuda.Event(enable_timing=timer is not None) if held or timer is not None else None
+                if copied is not None:
                     copied.record(side)
+            if timer is not None:
+                timer(sum(t.numel() * t.element_size() for t in tensors), start, copied)
             for p, t in zip(packed, tensors):
                 if held:  # home: the stream the forward runs on, whose pool the input's block is in
                     p.copied, p.home = copied, torch.cuda.current_stream(device)
