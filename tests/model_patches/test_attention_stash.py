@@ -14,6 +14,7 @@ import torch
 from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
+from helpers.stash_steps import assert_bitwise, seeded_step
 from helpers.tiny_models import make_batch, tiny_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,27 +32,12 @@ def _model(model_type="llama", device="cpu", dtype=torch.float32, lora=True, att
     return model.to(device).train()
 
 
-def _step(model, batch, backward_kw=None):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = model(**batch).loss
-    loss.backward(**(backward_kw or {}))
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _stashed(model, mode="offload", budget=None, **config):
     patch_model(model, FastConfig(checkpointing=mode, attention_stash=True, **config))
     chain = layer_checkpointing(model).stash
     chain.min_bytes = 0
     chain.fixed_budget = budget
     return chain
-
-
-def _assert_same(got, ref):
-    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
-    assert got[1].keys() == ref[1].keys() and got[1]
-    bad = [n for n in ref[1] if not torch.equal(got[1][n], ref[1][n])]
-    assert not bad, f"gradients differ bitwise: {bad[:4]}"
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -61,11 +47,11 @@ def test_bitwise_equal_to_no_checkpointing_and_the_core_is_not_recomputed(model_
     batch = make_batch(tiny_model(model_type).config.vocab_size, seed=0)
     reference = _model(model_type, lora=lora)
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     model = _model(model_type, lora=lora)
     chain = _stashed(model)
-    got = _step(model, batch)
-    _assert_same(got, ref)
+    got = seeded_step(model, batch)
+    assert_bitwise(got, ref)
     layers = model.config.num_hidden_layers
     assert chain.stats.cores_stashed == layers and chain.stats.cores_skipped == layers, chain.stats
     assert chain.stats.blocks > layers  # the saved tensors went too, not only the core's output
@@ -81,7 +67,7 @@ def test_the_core_is_skipped_in_the_recompute(monkeypatch):
                         lambda self, *a: calls.append(1) or real(self, *a))
     model = _model()
     _stashed(model)
-    _step(model, make_batch(model.config.vocab_size, seed=3))
+    seeded_step(model, make_batch(model.config.vocab_size, seed=3))
     assert len(calls) == model.config.num_hidden_layers
 
 
@@ -89,11 +75,11 @@ def test_host_memory_comes_back_after_each_backward():
     model = _model()
     chain = _stashed(model)
     batch = make_batch(model.config.vocab_size, seed=4)
-    first = _step(model, batch)
+    first = seeded_step(model, batch)
     assert chain.host_bytes == 0, "blocks outlived the backward"
     pool = layer_checkpointing(model).checkpointer.pool
     for _ in range(2):
-        _assert_same(_step(model, batch), first)
+        assert_bitwise(seeded_step(model, batch), first)
         assert chain.host_bytes == 0
         assert pool.bytes_in_use == 0 and pool.bytes_total <= pool.peak_bytes_in_use
 
@@ -111,7 +97,7 @@ def test_a_second_backward_through_a_retained_graph():
         loss.backward(retain_graph=True)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}))
-    _assert_same(results[1], results[0])
+    assert_bitwise(results[1], results[0])
     assert chain.stats.cores_skipped == 2 * chain.stats.cores_stashed == 2 * model.config.num_hidden_layers
 
 
@@ -142,7 +128,7 @@ def test_past_the_host_budget_layers_are_recomputed_exactly(budget_layers, caplo
     batch = make_batch(_model().config.vocab_size, seed=6)
     reference = _model()
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     probe = _model()
     probe_chain = _stashed(probe)
     probe(**batch).loss.backward()
@@ -150,8 +136,8 @@ def test_past_the_host_budget_layers_are_recomputed_exactly(budget_layers, caplo
     model = _model()
     chain = _stashed(model, budget=budget_layers * one_core + one_core // 2)
     with caplog.at_level("INFO", logger="fasttune"):
-        got = _step(model, batch)
-    _assert_same(got, ref)
+        got = seeded_step(model, batch)
+    assert_bitwise(got, ref)
     layers = model.config.num_hidden_layers
     assert chain.stats.cores_stashed == budget_layers
     assert chain.stats.cores_over_budget == layers - budget_layers
@@ -166,7 +152,7 @@ def test_eager_attention_and_attention_dropout_are_recomputed(case):
     reference, model = _model(**kw), _model(**kw)
     patch_model(reference, FastConfig())
     chain = _stashed(model)
-    _assert_same(_step(model, batch), _step(reference, batch))
+    assert_bitwise(seeded_step(model, batch), seeded_step(reference, batch))
     assert chain.stats.cores_stashed == 0
 
 
@@ -176,7 +162,7 @@ def test_auto_stashes_the_offloaded_layers():
     reference, model = _model(), _model()
     patch_model(reference, FastConfig())
     chain = _stashed(model, mode="auto")
-    _assert_same(_step(model, batch), _step(reference, batch))
+    assert_bitwise(seeded_step(model, batch), seeded_step(reference, batch))
     assert chain.stats.cores_stashed == model.config.num_hidden_layers - 1
 
 
@@ -194,12 +180,12 @@ def test_cuda_bitwise_equal_with_pinned_copies_on_the_side_stream(deterministic,
     reference, model = _model(model_type, "cuda", **kw), _model(model_type, "cuda", **kw)
     patch_model(reference, FastConfig())
     chain = _stashed(model)
-    ref = _step(reference, batch)
-    _assert_same(_step(model, batch), ref)  # the first step stashes nothing on CUDA: it measures the link
+    ref = seeded_step(reference, batch)
+    assert_bitwise(seeded_step(model, batch), ref)  # the first step stashes nothing on CUDA: it measures the link
     torch.cuda.synchronize()
     chain.link.admits = lambda nbytes: True  # then every core goes, whatever the tiny layers' link budget
     for _ in range(2):
-        _assert_same(_step(model, batch), ref)
+        assert_bitwise(seeded_step(model, batch), ref)
     torch.cuda.synchronize()
     state = layer_checkpointing(model)
     assert state.checkpointer.pool.pin and chain.host_bytes == 0

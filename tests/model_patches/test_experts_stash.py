@@ -17,6 +17,7 @@ from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
 from helpers.spies import grouped_mlp_output_unused
+from helpers.stash_steps import assert_bitwise, seeded_step
 from helpers.tiny_models import make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -36,13 +37,6 @@ def _model(model_type, lora, device="cpu", dtype=torch.float32):
     return model.to(device).train()
 
 
-def _step(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _stashed(model, mode="offload", **config):
     patch_model(model, FastConfig(checkpointing=mode, experts_stash=True, **config))
     chain = layer_checkpointing(model).stash
@@ -59,13 +53,6 @@ def _gate_up_bytes(model, batch) -> int:
     return batch["input_ids"].numel() * config.num_experts_per_tok * two_i * w.element_size()
 
 
-def _assert_same(got, ref):
-    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
-    assert got[1].keys() == ref[1].keys() and got[1]
-    bad = [n for n in ref[1] if not torch.equal(got[1][n], ref[1][n])]
-    assert not bad, f"gradients differ bitwise: {bad[:4]}"
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the Triton path's Function calls; on a CUDA machine "
                     "these CPU tensors take the reference path (the interpreter is on only without CUDA)")
 @pytest.mark.parametrize("model_type,lora", [("qwen3_moe", True), ("gpt_oss", True), ("mixtral", False),
@@ -77,12 +64,12 @@ def test_bitwise_equal_to_no_checkpointing_and_the_experts_are_not_recomputed(mo
     batch = make_batch(tiny_model(model_type).config.vocab_size, seed=0)
     reference = _model(model_type, lora)
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     model = _model(model_type, lora)
     chain = _stashed(model)
     flags.clear()
-    got = _step(model, batch)
-    _assert_same(got, ref)
+    got = seeded_step(model, batch)
+    assert_bitwise(got, ref)
     blocks = MOE_BLOCKS[model_type]
     # The forward's calls only: the recompute never reaches the experts (the checkpoint stops
     # recomputing once the router, the layer's last op that saves through it, has run).
@@ -96,11 +83,11 @@ def test_with_the_attention_stash_both_cores_of_each_layer_go():
     batch = make_batch(tiny_model("mixtral").config.vocab_size, seed=1)
     reference = _model("mixtral", lora=True)
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     model = _model("mixtral", lora=True)
     chain = _stashed(model, attention_stash=True)
     for _ in range(2):  # the second step reuses the pool's pinned buffers
-        _assert_same(_step(model, batch), ref)
+        assert_bitwise(seeded_step(model, batch), ref)
         assert chain.host_bytes == 0
     layers = model.config.num_hidden_layers
     assert chain.kinds == {"attention", "experts"}
@@ -116,7 +103,7 @@ def test_experts_stash_alone_leaves_the_attention_recomputed(monkeypatch):
     monkeypatch.setattr(attention.FastAttentionForward, "_core", lambda self, *a: cores.append(1) or real(self, *a))
     model = _model("mixtral", lora=False)
     chain = _stashed(model)
-    _step(model, make_batch(model.config.vocab_size, seed=2))
+    seeded_step(model, make_batch(model.config.vocab_size, seed=2))
     layers = model.config.num_hidden_layers
     assert len(cores) == 2 * layers  # forward and recompute
     assert chain.kinds == {"experts"} and chain.stats.cores_stashed == layers
@@ -126,9 +113,9 @@ def test_auto_stashes_the_offloaded_layers_and_recompute_mode_refuses_it():
     model = _model("mixtral", lora=False)
     chain = _stashed(model, mode="auto", memory_budget_gb=1e-6)  # nothing fits: every layer offloaded
     batch = make_batch(model.config.vocab_size, seed=3)
-    _step(model, batch)  # layer 0 runs resident once, to measure its activations
+    seeded_step(model, batch)  # layer 0 runs resident once, to measure its activations
     before = chain.stats.cores_stashed
-    _step(model, batch)
+    seeded_step(model, batch)
     assert chain.stats.cores_stashed - before == model.config.num_hidden_layers
     with pytest.raises(ValueError, match="experts_stash"):
         FastConfig(checkpointing="recompute", experts_stash=True)
@@ -142,13 +129,13 @@ def test_cuda_equal_with_pinned_copies_on_the_side_stream(dtype):
     batch = make_batch(tiny_model("gpt_oss").config.vocab_size, seed=4, device="cuda")
     reference = _model("gpt_oss", lora=True, device="cuda", dtype=dtype)
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     model = _model("gpt_oss", lora=True, device="cuda", dtype=dtype)
     chain = _stashed(model)
-    _step(model, batch)  # the first step stashes nothing on CUDA: it measures the link and the layers
+    seeded_step(model, batch)  # the first step stashes nothing on CUDA: it measures the link and the layers
     torch.cuda.synchronize()
     chain.link.admits = lambda nbytes: True  # then every core goes, whatever the tiny layers' link budget
-    got = _step(model, batch)
+    got = seeded_step(model, batch)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
     assert torch.allclose(got[0], ref[0], **tol)
     for name, g in ref[1].items():

@@ -17,6 +17,7 @@ from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
 from fasttune.model_patches.mlp import FastMLPForward
+from helpers.stash_steps import assert_bitwise, seeded_step
 from helpers.tiny_models import make_batch, tiny_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -34,26 +35,11 @@ def _model(model_type="llama", device="cpu", dtype=torch.float32, lora=True, lor
     return model.to(device).train()
 
 
-def _step(model, batch):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _stashed(model, mode="offload", **config):
     patch_model(model, FastConfig(checkpointing=mode, **{"mlp_stash": True, **config}))
     chain = layer_checkpointing(model).stash
     chain.min_bytes = 0
     return chain
-
-
-def _assert_same(got, ref):
-    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
-    assert got[1].keys() == ref[1].keys() and got[1]
-    bad = [n for n in ref[1] if not torch.equal(got[1][n], ref[1][n])]
-    assert not bad, f"gradients differ bitwise: {bad[:4]}"
 
 
 def _count_mlp_computes(monkeypatch) -> list:
@@ -71,12 +57,12 @@ def test_bitwise_equal_to_no_checkpointing_and_the_mlp_is_not_recomputed(model_t
     batch = make_batch(tiny_model(model_type).config.vocab_size, seed=0)
     reference = _model(model_type, lora=lora)
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     model = _model(model_type, lora=lora)
     chain = _stashed(model)
     calls = _count_mlp_computes(monkeypatch)
-    got = _step(model, batch)
-    _assert_same(got, ref)
+    got = seeded_step(model, batch)
+    assert_bitwise(got, ref)
     layers = model.config.num_hidden_layers
     assert chain.stats.cores_stashed == layers, chain.stats
     assert len(calls) == layers  # forward only: no recompute ran the MLP again
@@ -87,10 +73,10 @@ def test_with_the_attention_stash_both_cores_of_each_layer_go(monkeypatch):
     batch = make_batch(_model().config.vocab_size, seed=1)
     reference, model = _model(), _model()
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     chain = _stashed(model, attention_stash=True)
     calls = _count_mlp_computes(monkeypatch)
-    _assert_same(_step(model, batch), ref)
+    assert_bitwise(seeded_step(model, batch), ref)
     layers = model.config.num_hidden_layers
     assert chain.stats.cores_stashed == 2 * layers and chain.stats.cores_skipped >= layers, chain.stats
     assert len(calls) == layers
@@ -100,11 +86,11 @@ def test_host_memory_comes_back_and_steps_repeat_bitwise():
     model = _model()
     chain = _stashed(model)
     batch = make_batch(model.config.vocab_size, seed=2)
-    first = _step(model, batch)
+    first = seeded_step(model, batch)
     pool = layer_checkpointing(model).checkpointer.pool
     for _ in range(2):
         assert chain.host_bytes == 0, "blocks outlived the backward"
-        _assert_same(_step(model, batch), first)
+        assert_bitwise(seeded_step(model, batch), first)
         assert pool.bytes_in_use == 0 and pool.bytes_total <= pool.peak_bytes_in_use
 
 
@@ -114,10 +100,10 @@ def test_a_core_with_nothing_large_enough_to_copy_keeps_its_tensors_on_the_devic
     batch = make_batch(_model().config.vocab_size, seed=6)
     reference, model = _model(), _model()
     patch_model(reference, FastConfig())
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     patch_model(model, FastConfig(checkpointing="offload", mlp_stash=True))
     chain = layer_checkpointing(model).stash
-    _assert_same(_step(model, batch), ref)
+    assert_bitwise(seeded_step(model, batch), ref)
     assert chain.stats.cores_stashed == model.config.num_hidden_layers and chain.stats.blocks == 0, chain.stats
 
 
@@ -128,7 +114,7 @@ def test_lora_dropout_keeps_the_mlp_recomputed(monkeypatch):
     plain, model = _model(lora_dropout=0.1), _model(lora_dropout=0.1)
     patch_model(plain, FastConfig(checkpointing="offload"))
     chain = _stashed(model)
-    _assert_same(_step(model, batch), _step(plain, batch))
+    assert_bitwise(seeded_step(model, batch), seeded_step(plain, batch))
     assert chain.stats.cores_stashed == 0
 
 
@@ -141,18 +127,20 @@ def test_moe_layers_stash_their_dense_mlp_not_a_shared_expert(monkeypatch):
         reference, model = _model(model_type, lora=False), _model(model_type, lora=False)
         patch_model(reference, FastConfig())
         chain = _stashed(model)
-        _assert_same(_step(model, batch), _step(reference, batch))
+        assert_bitwise(seeded_step(model, batch), seeded_step(reference, batch))
         assert chain.stats.cores_stashed == 1, (model_type, chain.stats)
 
 
-def test_auto_stashes_the_offloaded_layers():
-    """"auto" on a CPU without a budget: layer 0 runs resident once (measured), the rest are offloaded."""
+def test_auto_stashes_both_cores_of_the_offloaded_layers():
+    """"auto" on a CPU without a budget: layer 0 runs resident once (measured, nothing stashed), the rest are
+    offloaded and each sends its attention core and its MLP."""
     batch = make_batch(_model().config.vocab_size, seed=5)
     reference, model = _model(), _model()
     patch_model(reference, FastConfig())
-    chain = _stashed(model, mode="auto")
-    _assert_same(_step(model, batch), _step(reference, batch))
-    assert chain.stats.cores_stashed == model.config.num_hidden_layers - 1
+    ref = seeded_step(reference, batch)
+    chain = _stashed(model, mode="auto", attention_stash=True)
+    assert_bitwise(seeded_step(model, batch), ref)
+    assert chain.stats.cores_stashed == 2 * (model.config.num_hidden_layers - 1), chain.stats
 
 
 def test_recompute_mode_refuses_it():
@@ -178,11 +166,11 @@ def test_cuda_bitwise_equal_with_copies_on_their_stream_and_originals_let_go_in_
     reference, model = _model("llama", "cuda", **kw), _model("llama", "cuda", **kw)
     patch_model(reference, FastConfig())
     chain = _stashed(model, attention_stash=True)
-    ref = _step(reference, batch)
+    ref = seeded_step(reference, batch)
     layers = model.config.num_hidden_layers
     reserved = []
     for step in range(4):
-        _assert_same(_step(model, batch), ref)
+        assert_bitwise(seeded_step(model, batch), ref)
         assert len(chain.held) == 0
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved())
