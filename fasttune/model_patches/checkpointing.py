@@ -260,8 +260,7 @@ class LayerCheckpointing:
         mode: "recompute", "offload" or "auto".
         n_layers: decoder layers wrapped.
         checkpointer: the ``OffloadedCheckpointer`` (offload and auto).
-        stash: the ``StashChain`` of ``FastConfig.attention_stash`` / ``experts_stash`` / ``mlp_stash`` (offload and
-            auto), else None.
+        stash: the ``StashChain`` of the config's attention/experts/mlp stashes (offload and auto), else None.
         policy: the ``AutoPolicy`` (auto only).
         resident: layers [0, resident) run resident in the current forward (auto).
     """
