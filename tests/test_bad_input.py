@@ -6,6 +6,7 @@ warning in model_patches/test_head.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -53,8 +54,12 @@ def test_trl_trainers_take_a_dict_and_reject_other_types(tmp_path):
     from fasttune.hf_integration.trl import FastDPOTrainer, FastSFTTrainer
 
     tok = build_tokenizer()
+    # HF's checkpointing off: ``activation_checkpointing`` in transformers 5.24, ``gradient_checkpointing`` in 5.17.
+    names = {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    no_hf_checkpointing = {"activation_checkpointing" if "activation_checkpointing" in names
+                           else "gradient_checkpointing": False}
     cfg = trl.SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_length=32,
-                        activation_checkpointing=False, disable_tqdm=True, dataloader_num_workers=0)
+                        disable_tqdm=True, dataloader_num_workers=0, **no_hf_checkpointing)
     trainer = FastSFTTrainer(model=build_model(tok, hidden_size=64), args=cfg, processing_class=tok,
                              train_dataset=Dataset.from_list(make_task(4)), fast_config={"mlp": False})
     assert trainer.fast_config == FastConfig(mlp=False)

@@ -138,7 +138,7 @@ class StashChain:
         if hidden is not None:
             self._input_bytes = hidden.numel() * hidden.element_size()
             self.held.layer_started()
-            self.link.layer_started(index, hidden.device, self._input_bytes)
+            self.link.layer_started(index, hidden.device, self._input_bytes, self.checkpointer.pinned_allocations)
         stash = LayerStash(self, self.last)
         self.last = weakref.ref(stash)
         return stash

@@ -241,6 +241,13 @@ class OffloadedCheckpointer:
         """The pinned pool when CUDA tensors were packed, else the CPU one."""
         return self._pools.get(True) or self._pool(False)
 
+    @property
+    def pinned_allocations(self) -> int:
+        """Pinned host buffers ever created (0 before the first): the stashes' link budget skips the layer
+        times of a forward in which this grew (``stash_link.py``)."""
+        pool = self._pools.get(True)
+        return 0 if pool is None else pool.allocations
+
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream of ``device`` (created on first use)."""
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -11,7 +11,11 @@ the run itself:
   stashed cores, ``OffloadedCheckpointer.copy_timer``) over the time the link was busy with them (the
   union of their spans: events right around each batch of copies, on the streams that run them);
 - a layer's forward time: events recorded on the compute stream as each offloaded layer starts,
-  read at the next forward (by then they are done).
+  read at the next forward (by then they are done). Not from a forward in which the host pool grew:
+  pinning new host buffers (``cudaHostAlloc``, ~20 ms for a 64 MiB layer input) holds the host while
+  the GPU waits, so such a forward's layers look several times longer than they are (session 39, an
+  H100: the first step's layer inputs made the second step send all 32 MLP cores, the pool grew to
+  18 GiB for a steady state of ~6.5, and the first timed step ran 872 ms against 640).
 
 Each offloaded layer's forward lets the link carry ``SAFETY * rate * layer time`` minus the layer input's
 bytes of the stash's copies. The credit is what the link could still take on without its backlog of
@@ -19,7 +23,8 @@ stashed copies growing past ``HOLD_LAYERS - 1`` layers' worth (a core ends withi
 originals are let go when layer ``HOLD_LAYERS`` after it begins): each layer adds its share, up to that
 cap (idle link time cannot be saved up); a core goes to the host when the credit covers its bytes (the
 credit drops by them), else it is recomputed as usual. A forward starts with the link idle (full credit).
-Until both figures exist (the first training step, which stashes nothing) no core goes.
+Until both figures exist no core goes: the first training step (its forward pins the layer inputs' buffers)
+and the second stash nothing.
 
 ``HeldOriginals``: the device tensors a core's copies read are kept referenced, not
 ``record_stream``'d, and let go ``HOLD_LAYERS`` layers later after the compute stream waits for
@@ -57,6 +62,7 @@ class LinkBudget:
         self._layer_events: list[tuple[int, torch.cuda.Event]] = []  # this forward's (layer index, start)
         self._last_index: int | None = None
         self._copies: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (bytes, start, end), unread
+        self._host_allocations: int | None = None  # the host pool's count as the forward now running began
 
     @property
     def measured(self) -> bool:
@@ -70,19 +76,23 @@ class LinkBudget:
         """The most credit there can be: the backlog the hold window lets the copies have."""
         return max(self.per_layer(input_bytes), 0.0) * (HOLD_LAYERS - 1)
 
-    def layer_started(self, index: int, device: torch.device, input_bytes: int) -> None:
-        """An offloaded layer's forward begins (CUDA): record its start, and add its share to the credit."""
+    def layer_started(self, index: int, device: torch.device, input_bytes: int,
+                      host_allocations: int | None = None) -> None:
+        """An offloaded layer's forward begins (CUDA): record its start, and add its share to the credit.
+        ``host_allocations``: the host pool's count of buffers ever pinned (``HostBufferPool.allocations``)."""
         if device.type != "cuda":
             return
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(device))
-        self.layer_event(index, event, input_bytes)
+        self.layer_event(index, event, input_bytes, host_allocations)
 
-    def layer_event(self, index: int, event, input_bytes: int) -> None:
+    def layer_event(self, index: int, event, input_bytes: int, host_allocations: int | None = None) -> None:
         """``layer_started`` with its event recorded (``query()``, ``elapsed_time(later)`` in ms)."""
         new_forward = self._last_index is None or index <= self._last_index
         if new_forward:
-            self._new_forward()
+            grew = host_allocations is not None and host_allocations != self._host_allocations
+            self._host_allocations = host_allocations
+            self._new_forward(layers_timed=not grew)
         self._last_index = index
         self._layer_events.append((index, event))
         if self.measured:
@@ -100,12 +110,13 @@ class LinkBudget:
         """A stashed core's copies, between ``start`` and ``end`` on the side stream."""
         self._copies.append((nbytes, start, end))
 
-    def _new_forward(self) -> None:
-        """Read what the last forward measured (its events are done by now, or it is skipped)."""
+    def _new_forward(self, layers_timed: bool = True) -> None:
+        """Read what the last forward measured (its events are done by now, or it is skipped); its layer
+        times only when ``layers_timed`` (the host pool did not grow during it)."""
         self.credit = 0.0
         events, self._layer_events = self._layer_events, []
         gaps = [a.elapsed_time(b) / 1e3 for (i, a), (j, b) in zip(events, events[1:])
-                if j == i + 1 and b.query()]
+                if layers_timed and j == i + 1 and b.query()]
         if gaps:
             self.layer_s = statistics.median(gaps)
         done = [c for c in self._copies if c[2].query()]

@@ -78,8 +78,11 @@ def test_kv_cache_with_either_keyword_name_matches_stock():
     fast = copy.deepcopy(stock)
     patch_model(fast, FastConfig())
     caches = {}
+    # transformers 5.24's attention takes ``cache``, 5.17's ``past_key_values``: stock gets its own name.
+    stock_kw = "cache" if "cache" in inspect.signature(type(stock.model.layers[0].self_attn).forward).parameters \
+        else "past_key_values"
     with torch.no_grad():
-        for tag, model, kw in (("stock", stock, "cache"), ("cache", fast, "cache"),
+        for tag, model, kw in (("stock", stock, stock_kw), ("cache", fast, "cache"),
                                ("past_key_values", fast, "past_key_values")):
             attn, cache = model.model.layers[0].self_attn, DynamicCache(config=model.config)
             outs = []

@@ -17,7 +17,7 @@ from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
 from helpers.spies import grouped_mlp_output_unused
-from helpers.stash_steps import assert_bitwise, seeded_step
+from helpers.stash_steps import MEASURING_STEPS, assert_bitwise, seeded_step
 from helpers.tiny_models import make_batch, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -132,7 +132,8 @@ def test_cuda_equal_with_pinned_copies_on_the_side_stream(dtype):
     ref = seeded_step(reference, batch)
     model = _model("gpt_oss", lora=True, device="cuda", dtype=dtype)
     chain = _stashed(model)
-    seeded_step(model, batch)  # the first step stashes nothing on CUDA: it measures the link and the layers
+    for _ in range(MEASURING_STEPS):  # on CUDA the first steps stash nothing: they measure the link and the layers
+        seeded_step(model, batch)
     torch.cuda.synchronize()
     chain.link.admits = lambda nbytes: True  # then every core goes, whatever the tiny layers' link budget
     got = seeded_step(model, batch)

@@ -17,7 +17,7 @@ from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
 from fasttune.model_patches.mlp import FastMLPForward
-from helpers.stash_steps import assert_bitwise, seeded_step
+from helpers.stash_steps import MEASURING_STEPS, assert_bitwise, seeded_step
 from helpers.tiny_models import make_batch, tiny_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -157,7 +157,7 @@ def test_without_a_checkpointing_mode_nothing_is_stashed():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_bitwise_equal_with_copies_on_their_stream_and_originals_let_go_in_stream_order(deterministic, dtype):
-    """The first step stashes nothing and measures the link and the layers; then every core goes (the budget
+    """The first steps stash nothing and measure the link and the layers; then every core goes (the budget
     forced open: the most copies in flight and originals held), on the stashes' own stream, the originals let go
     in stream order. Every step equals the run without checkpointing, nothing is held after a backward, and the
     reserve does not grow from step to step."""
@@ -169,17 +169,18 @@ def test_cuda_bitwise_equal_with_copies_on_their_stream_and_originals_let_go_in_
     ref = seeded_step(reference, batch)
     layers = model.config.num_hidden_layers
     reserved = []
-    for step in range(4):
+    for step in range(MEASURING_STEPS + 3):
         assert_bitwise(seeded_step(model, batch), ref)
         assert len(chain.held) == 0
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved())
-        if step == 0:
-            assert chain.stats.cores_stashed == 0 and chain.stats.cores_link_busy == 2 * layers, chain.stats
-            model(**batch)  # a second forward reads what the first measured
+        if step == MEASURING_STEPS - 1:
+            stats = chain.stats
+            assert stats.cores_stashed == 0 and stats.cores_link_busy == MEASURING_STEPS * 2 * layers, stats
+            model(**batch)  # a further forward reads what the last step measured
             assert chain.link.measured and chain.link.rate > 1e9 and chain.link.layer_s > 0, vars(chain.link)
             chain.link.admits = lambda nbytes: True
-    assert reserved[-1] <= reserved[2], reserved
+    assert reserved[-1] <= reserved[MEASURING_STEPS + 1], reserved
     state = layer_checkpointing(model)
     assert state.checkpointer.pool.pin and chain.host_bytes == 0
     assert chain.stats.cores_stashed >= 3 * 2 * layers, chain.stats

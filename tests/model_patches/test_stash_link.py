@@ -113,6 +113,29 @@ def test_a_new_forward_starts_with_the_link_idle():
     assert budget.credit == pytest.approx(2 * 286 * MIB)
 
 
+def test_a_forward_that_pinned_new_host_buffers_does_not_time_the_layers():
+    """Pinning holds the host while the GPU waits: such a forward's layers look longer than they are. The first
+    forward pins the layer inputs' buffers, so the layer time comes from the second; a later forward whose
+    stash pinned more keeps the last clean figure."""
+    clock, budget = Clock(), LinkBudget(safety=1.0)
+    budget.copies_timed(500 * MIB, clock.at(0.0), clock.at(0.010))
+    for i in range(4):  # host-bound while the pool grows: 30 ms between layers
+        budget.layer_event(i, clock.at(i * 0.030), 64 * MIB, host_allocations=i + 1)
+    clock.now = 1.0
+    budget.layer_event(0, clock.at(1.0), 64 * MIB, host_allocations=4)  # the first forward grew the pool
+    assert budget.rate == pytest.approx(500 * MIB / 0.010) and budget.layer_s is None and not budget.measured
+    for i in range(1, 4):
+        budget.layer_event(i, clock.at(1.0 + i * 0.007), 64 * MIB, host_allocations=4)
+    clock.now = 2.0
+    budget.layer_event(0, clock.at(2.0), 64 * MIB, host_allocations=4)  # no growth: timed
+    assert budget.measured and budget.layer_s == pytest.approx(0.007)
+    for i in range(1, 4):
+        budget.layer_event(i, clock.at(2.0 + i * 0.020), 64 * MIB, host_allocations=4 + i)
+    clock.now = 3.0
+    budget.layer_event(0, clock.at(3.0), 64 * MIB, host_allocations=7)  # the stash pinned 3 more: not timed
+    assert budget.layer_s == pytest.approx(0.007)
+
+
 class FakeStream:
     def __init__(self):
         self.waited = []

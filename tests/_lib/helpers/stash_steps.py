@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import torch
 
+# Training steps on CUDA before a stash sends anything: the first pins the layer inputs' host buffers (a forward
+# that pins does not time the layers, stash_link.py), the second times them; the third reads those figures.
+MEASURING_STEPS = 2
+
 
 def seeded_step(model, batch, backward_kw=None):
     """(loss, {name: grad}) of one forward and backward from a fixed RNG state."""
