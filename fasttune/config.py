@@ -118,11 +118,11 @@ class FastConfig:
         "help": "With checkpointing 'offload' or 'auto': the gated MLP of each offloaded dense decoder layer keeps "
                 "what it saves for backward (its input and gate/up products) in pinned host memory instead of being "
                 "recomputed, as far as the host link keeps pace with the forward (its rate and the layers' time "
-                "measured on the first step) and the stashes' host budget allow; further layers are recomputed. "
-                "About 0.5 GiB of host memory per stashed layer per 8k tokens of an 8B model. Exact. Measured no "
-                "faster on an H100 with a PCIe link (8B bf16 LoRA, 4x2048: 12,442 vs 12,555 tok/s, 0.9 GiB more "
-                "allocated; with attention_stash too 12,764, benchmarks/RESULTS.md): for hosts whose link to the GPU "
-                "is much faster than PCIe."})
+                "measured on the first two steps) and the stashes' host budget allow; further layers are "
+                "recomputed. About 0.5 GiB of host memory per stashed layer per 8k tokens of an 8B model. Exact. On "
+                "an H100's PCIe link (~51 GiB/s, 6.4 ms a layer) the 8B bf16 step's 512 MiB core never fits the "
+                "budget at 4x2048, so nothing is stashed (benchmarks/RESULTS.md, session 39): for hosts whose link "
+                "to the GPU is much faster than PCIe."})
     checkpoint_no_grad_forward: bool | None = field(default=None, metadata={
         "help": "With checkpointing: a checkpointed decoder layer's forward runs without autograd (nothing "
                 "recorded, nothing saved but its input) and is recorded once, by its recompute in backward, "
