@@ -119,8 +119,7 @@ class LinkBudget:
                 if layers_timed and j == i + 1 and b.query()]
         if gaps:
             self.layer_s = statistics.median(gaps)
-        done = [c for c in self._copies if c[2].query()]
-        self._copies = [c for c in self._copies if not c[2].query()]
+        done, self._copies = _split_done(self._copies)
         if done:
             origin = done[0][1]  # spans as offsets from the first copy's start, in seconds
             spans = sorted((origin.elapsed_time(a) / 1e3, origin.elapsed_time(b) / 1e3) for _, a, b in done)
@@ -131,6 +130,14 @@ class LinkBudget:
                     end = b
             if busy > 0:
                 self.rate = sum(n for n, _, _ in done) / busy
+
+
+def _split_done(copies: list) -> tuple[list, list]:
+    """(copies whose end event is done, the rest): each event asked once."""
+    done, pending = [], []
+    for c in copies:
+        (done if c[2].query() else pending).append(c)
+    return done, pending
 
 
 class HeldOriginals:
