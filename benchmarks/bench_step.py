@@ -24,9 +24,10 @@ Stacks (each in its own process: Liger and Unsloth patch transformers' modules g
             ``--weights nf4``: dequantised once, then FP8), base products through torch._scaled_mm
   fasttune-fp8-auto   the same with checkpointing="auto" inside ``--auto-budget-gib``
   unsloth   ``FastLanguageModel.from_pretrained(dir, load_in_4bit=...)`` + ``get_peft_model(...,
-            use_gradient_checkpointing="unsloth")``; needs a checkpoint, so the hf worker first
-            saves the random bf16 model (with a tiny tokenizer) to ``--ckpt-dir`` (16 GB, reused
-            when present). Optional: a row says so when unsloth does not import.
+            use_gradient_checkpointing="unsloth")``; needs a checkpoint, so the first other stack's
+            worker (or, alone, unsloth's own) saves the random bf16 model (with a tiny tokenizer) to
+            ``--ckpt-dir`` (16 GB, reused when present). Optional: a row says so when unsloth does
+            not import.
 
 Columns: median ms per step over ``--steps`` (5) after ``--warmup`` (2), each step timed alone
 (synchronised before and after), tokens/s (and, in parentheses, tokens/s of as many steps run back
@@ -257,8 +258,13 @@ def prepare_unsloth(weights: str, shape: dict, args):
         raise RuntimeError(f"unsloth does not import: {UNSLOTH_IMPORT_ERROR}")
     from unsloth import FastLanguageModel
 
-    if not args.ckpt_dir or not os.path.exists(os.path.join(args.ckpt_dir, "config.json")):
-        raise RuntimeError(f"no checkpoint at {args.ckpt_dir} (the first other stack's worker writes it)")
+    if not args.ckpt_dir:
+        raise RuntimeError("unsloth loads the random model from a checkpoint: give --ckpt-dir")
+    if not os.path.exists(os.path.join(args.ckpt_dir, "config.json")):  # no other stack wrote it: same seed, same model
+        base = build_base(shape, MODELS[args.model][0])
+        save_checkpoint(base, args.ckpt_dir)
+        del base
+        release()
     model, _ = FastLanguageModel.from_pretrained(args.ckpt_dir, max_seq_length=max(s for _, s in args.shapes),
                                                  dtype=torch.bfloat16, load_in_4bit=weights == "nf4")
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
@@ -765,9 +771,6 @@ def main(argv=None) -> None:
         return worker(args.worker, args)
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("bench_step.py needs a CUDA GPU (or --smoke)")
-    if args.stacks == ["unsloth"] and not os.path.exists(os.path.join(args.ckpt_dir or "-", "config.json")):
-        raise SystemExit(f"unsloth loads the checkpoint another stack's worker writes to {args.ckpt_dir!r} "
-                         "(16 GB, once): run it with hf (or liger, fasttune) in --stacks")
     t0 = time.time()
     deadline_at = t0 + args.budget_s
     info = versions()
