@@ -180,9 +180,18 @@ class FastConfig:
                 "setting; None: True when they take at most half of the smallest free GPU memory among the "
                 "ranks and are not offloaded to the CPU."})
 
-    # --- logging -------------------------------------------------------------------------
+    # --- logging and the host side of the loop -----------------------------------------------
     log_throughput: bool = field(default=True, metadata={
         "help": "FastTrainer logs tokens/s and peak GPU memory with each log line."})
+    gc_freeze: bool = field(default=True, metadata={
+        "help": "FastTrainer, FastPatchCallback: after the first optimizer step of train(), Python's cyclic garbage "
+                "collector is told to leave every object alive then alone (gc.collect(), then gc.freeze(): the "
+                "model, optimizer states, caches), until train() ends (gc.unfreeze()). Process-wide. A full "
+                "collection otherwise walks them all, ~0.5 million objects for an 8B LoRA setup, 0.16-0.27 s each "
+                "on the 2-core CPU machine, every ~25 steps there; an NF4 8B step on an H100 that ran one took "
+                "956 ms against 671-687 (benchmarks/RESULTS.md, session 39). Left alone when the collector is "
+                "disabled or something already froze objects. Cycles among the frozen objects that become garbage "
+                "during training are freed after train() ends."})
 
     # --- export and hub ------------------------------------------------------------------
     export_artifacts: tuple[str, ...] = field(default=(), metadata={

@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback
 from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import PatchReport, patch_model, patch_report
 from .call_counts import CallCounts
+from .collector import FrozenCollector
 
 logger = logging.getLogger("fasttune")
 _MAX_FRAMES = 12  # calling_trainer: callback method, call_event, on_<event>, the Trainer's method, subclasses
@@ -36,6 +37,7 @@ class FastPatchCallback(TrainerCallback):
         self.report: PatchReport | None = None
         self.ref_report: PatchReport | None = None
         self.call_counts = CallCounts()
+        self.collector = FrozenCollector(self.config.gc_freeze)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is None:
@@ -65,10 +67,16 @@ class FastPatchCallback(TrainerCallback):
 
             attach_trl_head(model, args, self.config)
             self._patch_reference(args, state)
+        self.collector.enabled = self.config.gc_freeze
+        self.collector.on_train_begin(args, state, control)
         return self.call_counts.on_train_begin(args, state, control)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.collector.on_step_end(args, state, control)
         return self.call_counts.on_step_end(args, state, control, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        return self.collector.on_train_end(args, state, control)
 
     def _patch_reference(self, args, state) -> None:
         """Patch the separate reference model of a TRL trainer (set in its ``__init__`` after

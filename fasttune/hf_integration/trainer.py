@@ -11,6 +11,7 @@ from ..config import FastConfig, resolve_checkpointing
 from ..model_patches import find_causal_lm, patch_model
 from ..model_patches.head import head_forward
 from .call_counts import CallCounts
+from .collector import FrozenCollector
 from .distributed import DistributedHeadCallback, gathered_weights, release_fsdp_checkpointing, set_ddp_defaults
 from .throughput import ThroughputMeter
 from .train_end import check_export_before_training, export_after_training
@@ -42,6 +43,8 @@ class FastTrainerMixin:
         self.add_callback(DistributedHeadCallback(self.fast_config))  # ZeRO-3 head, FSDP2 gathered layers
         self._call_counts = CallCounts({"model": self.patch_report})  # what ran fused, after the first step
         self.add_callback(self._call_counts)
+        self._collector = FrozenCollector(self.fast_config.gc_freeze)  # after the first step: gc.freeze()
+        self.add_callback(self._collector)
         self._throughput = ThroughputMeter()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -72,7 +75,10 @@ class FastTrainerMixin:
             self.label_smoother, head.return_logits = saved_smoother, saved_logits
 
     def train(self, *args, **kwargs):
-        output = super().train(*args, **kwargs)
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            self._collector.thaw()  # on_train_end does it too, but not when train() raises
         cfg = self.fast_config
         if cfg.export_artifacts or cfg.push_to_hub:
             with gathered_weights(self.model, self.is_world_process_zero()):  # every rank: FSDP/ZeRO-3 gather
