@@ -327,3 +327,10 @@ def test_pool_peak_places_each_pools_peak_and_names_what_was_alive():
     assert {r["where"]: r["mib"] for r in later["live"]} == {"kernels/grouped_mlp.py:300 weights": 100,
                                                               "kernels/grouped_mlp.py:300 head": 20}
     assert pool_peak(snapshot, (0, 2))["peak_mib"] == 50
+
+
+def test_bench_gc_runs_both_arms_and_the_frozen_one_freezes():
+    stdout = _run(["benchmarks/bench_gc.py", "--steps", "2", "--layers", "2"], 600)
+    rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith(("| on", "| freeze"))]
+    assert [r[0].strip() for r in rows] == ["on", "freeze"], stdout
+    assert "(0 frozen)" in rows[0][1] and "(0 frozen)" not in rows[1][1], stdout
