@@ -187,9 +187,10 @@ class FastConfig:
         "help": "FastTrainer, FastPatchCallback: after the first optimizer step of train(), Python's cyclic garbage "
                 "collector is told to leave every object alive then alone (gc.collect(), then gc.freeze(): the "
                 "model, optimizer states, caches), until train() ends (gc.unfreeze()). Process-wide. A full "
-                "collection otherwise walks them all, ~0.5 million objects for an 8B LoRA setup, 0.16-0.27 s each "
-                "on the 2-core CPU machine, every ~25 steps there; an NF4 8B step on an H100 that ran one took "
-                "956 ms against 671-687 (benchmarks/RESULTS.md, session 39). Left alone when the collector is "
+                "collection otherwise walks them all, ~0.5 million objects for an 8B-shaped LoRA setup: on the "
+                "2-core CPU machine one every 25 steps, 0.11 s each, 3% of its 152 ms steps (benchmarks/bench_gc.py); "
+                "an NF4 8B step on an H100 that ran one took 956 ms against 671-687 (benchmarks/RESULTS.md, session "
+                "39). Left alone when the collector is "
                 "disabled or something already froze objects. Cycles among the frozen objects that become garbage "
                 "during training are freed after train() ends."})
 
