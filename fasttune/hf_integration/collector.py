@@ -3,9 +3,9 @@
 A full (generation-2) collection walks every tracked object: the model's modules and parameters, the
 optimizer, transformers' and torch's own, ~0.5 million for an 8B LoRA setup. The training loop makes
 enough surviving objects to run one every few dozen steps, and its 0.1-0.3 s hold the host while the GPU
-waits. After the first optimizer step (optimizer states and kernel caches exist by then) the garbage is
-collected once and every object alive is frozen (``gc.freeze``): later collections walk only what the loop
-makes. ``train()``'s end unfreezes them, so cycles among them that died meanwhile are freed at the next
+waits. After the first optimizer step (optimizer states and kernel caches exist by then) the young
+generations' garbage is collected and every object alive is frozen (``gc.freeze``): later collections walk
+only what the loop makes. ``train()``'s end unfreezes them, so cycles among them that died meanwhile are freed at the next
 collection. A collector that is disabled, or objects someone else froze, are left as they are.
 """
 
@@ -52,7 +52,10 @@ class FrozenCollector(TrainerCallback):
             logger.info("fasttune: Python's collector left as it is (%s; FastConfig.gc_freeze)",
                         "disabled" if not gc.isenabled() else f"{gc.get_freeze_count():,} objects frozen already")
             return
-        gc.collect()
+        # The young generations only: the Trainer ran a full collection as train() began (accelerate's
+        # free_memory), and another here would cost as much (~0.4 s on the CPU machine) as the freeze saves
+        # in a short run.
+        gc.collect(1)
         gc.freeze()
         self.froze = True
         logger.info("fasttune: %s objects frozen for Python's collector until train() ends (FastConfig.gc_freeze)",
