@@ -184,7 +184,8 @@ class FastConfig:
     log_throughput: bool = field(default=True, metadata={
         "help": "FastTrainer logs tokens/s and peak GPU memory with each log line."})
     gc_freeze: bool = field(default=True, metadata={
-        "help": "FastTrainer, FastPatchCallback: after the first optimizer step of train(), Python's cyclic garbage "
+        "help": "FastTrainer, FastPatchCallback: after the first optimizer step of a train() of 100 steps or more, "
+                "Python's cyclic garbage "
                 "collector is told to leave every object alive then alone (gc.collect(), then gc.freeze(): the "
                 "model, optimizer states, caches), until train() ends (gc.unfreeze()). Process-wide. A full "
                 "collection otherwise walks them all, ~0.5 million objects for an 8B-shaped LoRA setup: on the "

@@ -9,6 +9,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from fasttune import FastConfig, FastPatchCallback, FastTrainer
 from fasttune.embedded import PadCollator
+from fasttune.hf_integration.collector import FrozenCollector
 from helpers.tiny_models import tiny_model
 from helpers.train_data import random_lm_rows
 
@@ -26,7 +27,8 @@ class FreezeProbe(TrainerCallback):
 
 
 @pytest.fixture(autouse=True)
-def thawed():
+def thawed(monkeypatch):
+    monkeypatch.setattr(FrozenCollector, "MIN_STEPS", 3)  # these runs are 3 steps long
     gc.unfreeze()
     yield
     gc.unfreeze()
@@ -82,3 +84,11 @@ def test_a_train_that_raises_thaws(tmp_path):
     with pytest.raises(RuntimeError, match="a step fails"):
         trainer.train()
     assert probe.counts[-1] > 1000 and gc.get_freeze_count() == 0
+
+
+def test_a_run_shorter_than_min_steps_is_not_frozen(tmp_path, monkeypatch):
+    """The thaw costs a full collection: a run of fewer steps than ``MIN_STEPS`` would pay what it saves."""
+    monkeypatch.setattr(FrozenCollector, "MIN_STEPS", 4)
+    trainer, probe = _trainer(tmp_path)
+    trainer.train()
+    assert probe.counts == [0, 0, 0]
