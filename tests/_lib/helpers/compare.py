@@ -81,9 +81,27 @@ def make_head_inputs(device, N: int, D: int, V: int, dtype=torch.float32, bias: 
 FP64_JUDGED = ("linear_attn.dt_bias", "linear_attn.A_log")
 
 
-def assert_grads_close_judging_ill_conditioned(fast, stock, rtol: float, rerun64) -> None:
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy whose fp32 parameters are each moved by 0, +1 or -1 times 2^-24 of themselves (about half an ulp):
+    what a different but equally valid rounding upstream does to what follows."""
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            if p.dtype == torch.float32:
+                p.mul_(1 + torch.randint(-1, 2, p.shape, generator=g).to(p.device, torch.float32) * 2.0 ** -24)
+    return twin
+
+
+PERTURBED_RUNS = 4
+
+
+def assert_grads_close_judging_ill_conditioned(fast, stock, rtol: float, rerun) -> None:
     """``assert_grads_close`` for every gradient but the ``FP64_JUDGED`` ones, which must be at least about
-    as close to float64 (``rerun64(model64)`` runs the same step on a float64 copy) as stock fp32 is."""
+    as close to float64 as fp32 is: ``rerun(model)`` runs the same step on a float64 copy of stock, and on
+    ``PERTURBED_RUNS`` fp32 copies of stock perturbed by half an ulp (``_perturbed``). fp32's error there is
+    the largest of stock's and those copies' errors: stock's alone is one draw, and a lucky one (4.9e-6
+    against a spread of 2e-6 to 7e-4 over seeds) failed a fasttune run at 1.9e-5 on one CPU."""
     errs = {n: e for n, e in grad_errors(fast, stock).items() if not n.endswith(FP64_JUDGED)}
     assert errs and max(errs.values()) <= rtol, {n: e for n, e in errs.items() if e > rtol}
     judged = [n for n, p in stock.named_parameters() if n.endswith(FP64_JUDGED) and p.grad is not None]
@@ -92,8 +110,13 @@ def assert_grads_close_judging_ill_conditioned(fast, stock, rtol: float, rerun64
     exact = copy.deepcopy(stock).double()
     if callable(getattr(exact, "set_experts_implementation", None)):
         exact.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
-    rerun64(exact)
-    ref, fast_p, stock_p = dict(exact.named_parameters()), dict(fast.named_parameters()), dict(stock.named_parameters())
+    rerun(exact)
+    twins = [_perturbed(stock, seed) for seed in range(PERTURBED_RUNS)]
+    for twin in twins:
+        rerun(twin)
+    ref, fast_p = dict(exact.named_parameters()), dict(fast.named_parameters())
+    fp32_runs = [dict(m.named_parameters()) for m in (stock, *twins)]
     for name in judged:
-        err_fast, err_stock = rel_err(fast_p[name].grad, ref[name].grad), rel_err(stock_p[name].grad, ref[name].grad)
-        assert err_fast <= 2 * err_stock + 1e-6, (name, err_fast, err_stock)
+        err_fast = rel_err(fast_p[name].grad, ref[name].grad)
+        err_fp32 = [rel_err(run[name].grad, ref[name].grad) for run in fp32_runs]
+        assert err_fast <= 2 * max(err_fp32) + 1e-6, (name, err_fast, err_fp32)
