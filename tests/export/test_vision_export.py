@@ -69,8 +69,10 @@ def test_gemma3_merged_reloads_with_its_processor(tmp_path):
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert type(merged).__name__ == "Gemma3ForConditionalGeneration"
     assert next(iter(merged.parameters())).dtype == torch.float32
-    batch = loaded_processor.apply_chat_template([_MESSAGES], images=[random_images(1, seed=7)], tokenize=True,
-                                                 return_dict=True, return_tensors="pt")
+    # The template as text, then the processor on text and images: apply_chat_template(..., images=...) hands the
+    # images to the processor twice in transformers 5.17 (a TypeError) and once in 5.24.
+    prompt = loaded_processor.apply_chat_template([_MESSAGES], tokenize=False)
+    batch = loaded_processor(text=prompt, images=[random_images(1, seed=7)], return_tensors="pt")
     assert (batch["input_ids"] == merged.config.image_token_id).sum() == merged.config.mm_tokens_per_image
     got, want = _logits(merged, batch), _logits(model, batch)
     assert rel_err(got, want) <= 1e-2  # saved in bf16: one bf16 rounding of every weight
