@@ -101,6 +101,11 @@ class FastConfig:
                 "memory_budget_gb resident, offload the rest)."})
     memory_budget_gb: float | None = field(default=None, metadata={
         "help": "GPU memory 'auto' checkpointing may use for activations; None: free memory minus a margin."})
+    keep_recomputed_nf4: bool = field(default=True, metadata={
+        "help": "With checkpointing: the NF4 weights a checkpointed layer's recompute dequantises are kept for that "
+                "layer's backward (dX = dY W) instead of being dequantised again, when the compute dtype is the "
+                "QuantState's (bf16 QLoRA): 6 of a Llama layer's 20 dequantisations a step, for one layer's weights "
+                "held from its recompute to its backward (~0.3 GiB on an 8B model). Exact: the same values."})
     attention_stash: bool = field(default=False, metadata={
         "help": "With checkpointing 'offload' or 'auto': the attention core of each offloaded decoder layer "
                 "(q/k/v projections through the attention output) keeps what it saves for backward in pinned "

@@ -24,8 +24,8 @@ rank-r term is written first and the big base product accumulates onto it in cuB
 (beta = 1), free in a compute-bound product.
 
 Saved for backward: X and XA (r columns) only; not Y, and never a dequantised W: an NF4 W is
-dequantised again in backward into a scratch buffer that dies with the call. dX is skipped
-(and W not even dequantised) when x needs no gradient.
+dequantised again in backward into a scratch buffer that dies with the call, unless a checkpointed
+layer's recompute just did (``kept_weights.py``). dX is skipped when x needs no gradient.
 
 ``lora_qkv`` runs three projections of one X as one Function: the three adapters' A matrices
 are stacked, so XA = X [A_q; A_k; A_v]ᵀ is one product and one saved [N, r_q+r_k+r_v] tensor,
@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from ._backend import check_float, check_same_device
 from .fp8 import Fp8Weight, forward_product, grad_input_product, quantize_rows
+from .kept_weights import KeptWeights, current, keeps, recording_for
 from .lora_wide import project_wide, wide_columns, wide_grad_input
 from .nf4 import dequantize_nf4
 
@@ -263,7 +264,8 @@ def stacked_xa(x2: torch.Tensor, adapters) -> tuple[torch.Tensor | None, torch.T
 
 
 def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
-            xcat: torch.Tensor | None = None, rank_terms: bool = True, b_cast=None) -> list[torch.Tensor]:
+            xcat: torch.Tensor | None = None, rank_terms: bool = True, b_cast=None,
+            kept: KeptWeights | None = None) -> list[torch.Tensor]:
     """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p of one input.
 
     Widened bases (``lora_wide.py``): one product per projection over [X | s·XA]. Otherwise the
@@ -271,7 +273,8 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
     one pass (module docstring: with B = 0 the output is bitwise the base layer's). ``xcat``: a
     widened input already holding X (the GLU kernel writes H there), used when the bases are widened.
     ``rank_terms=False``: base products only where not widened (``lora_glu`` adds the terms in its pass).
-    ``b_cast``: ``cast_b``'s B per projection, or None (cast here).
+    ``b_cast``: ``cast_b``'s B per projection, or None (cast here). ``kept``: a recompute's
+    ``KeptWeights``: NF4 weights it may keep are dequantised into buffers of their own and put there.
     """
     dt = x2.dtype
     cols = wide_columns(bases, adapters, dt)
@@ -285,6 +288,10 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
             y = forward_product(x2, base.fp8, xq)
             if base.bias is not None:
                 y.add_(base.bias.to(dt))
+        elif kept is not None and keeps(base, dt):
+            w = base.materialize(dtype=dt)
+            kept.put(base, w)
+            y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
         else:
             w = base.materialize(out=scratch, dtype=dt)
             y = F.linear(x2, w, None if base.bias is None else base.bias.to(dt))
@@ -310,12 +317,14 @@ def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None,
     return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]), a_stacked
 
 
-def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | None, scratch) -> torch.Tensor:
+def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | None, scratch,
+               kept: KeptWeights | None = None) -> torch.Tensor:
     """dX = dYB [A_p] + Σ_p dY_p W_p; the rank-r term first so each base product accumulates in
     the epilogue. NF4 weights are dequantised again, one at a time, into ``scratch``. FP8 ones are
     multiplied as codes (``fp8.grad_input_product``) into buffers of their own (an FP8 product
     does not accumulate): they come first, the first one's buffer becomes dX and the rank-r term
-    is accumulated onto it by a small product (one pass over dX instead of a write and an add)."""
+    is accumulated onto it by a small product (one pass over dX instead of a write and an add).
+    ``kept``: the layer call's ``KeptWeights``; an NF4 weight its recompute kept is taken from there."""
     dx = None
     for dy, base in zip(dys, bases):
         if base.is_fp8:
@@ -325,7 +334,9 @@ def grad_input(dys, bases, dyb: torch.Tensor | None, a_stacked: torch.Tensor | N
         dx = torch.mm(dyb, a_stacked) if dx is None else dx.addmm_(dyb, a_stacked)
     for dy, base in zip(dys, bases):
         if not base.is_fp8:
-            w = base.materialize(out=scratch, dtype=dy.dtype, for_grad_input=True)
+            w = kept.take(base, dy.dtype) if kept is not None and keeps(base, dy.dtype) else None
+            if w is None:
+                w = base.materialize(out=scratch, dtype=dy.dtype, for_grad_input=True)
             dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
     return dx
 
@@ -349,10 +360,11 @@ def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
     return da, db
 
 
-def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, b_cast=None):
+def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, b_cast=None, kept=None):
     """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's);
     ``a_stacked``: the forward's stacked A (``stacked_xa``), or None; ``b_cast``: its ``cast_b``, or None.
-    A widened group that needs dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``)."""
+    A widened group that needs dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``).
+    ``kept``: the layer call's ``KeptWeights`` (``grad_input``), or None."""
     need_x, need_a, need_b = need
     cols = wide_columns(bases, adapters, dys[0].dtype) if need_x and any(ad is not None for ad in adapters) else None
     if cols is not None:
@@ -361,7 +373,7 @@ def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, 
         dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked)
     else:
         dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked, b_cast) if (need_x or any(need_a)) else (None, None)
-        dx = grad_input(dys, bases, dyb, a_stacked, scratch) if need_x else None
+        dx = grad_input(dys, bases, dyb, a_stacked, scratch, kept) if need_x else None
     da, db = adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b)
     return dx, da, db
 
@@ -376,11 +388,11 @@ class LoRALinearFunction(torch.autograd.Function):
         adapters = adapters_of((lora_a, lora_b), (scaling,))
         xa, a_stacked = stacked_xa(x2, adapters)
         b_cast = cast_b((base,), adapters, x2.dtype)
-        (y,) = project(x2, (base,), adapters, xa, None, b_cast=b_cast)
+        (y,) = project(x2, (base,), adapters, xa, None, b_cast=b_cast, kept=recording_for(ctx))
         # The casts are saved tensors (not ctx attributes): a checkpointed layer does not hold them
         # from its forward to its backward, its recompute makes them again.
         ctx.save_for_backward(x, xa, lora_a, lora_b, a_stacked, *b_cast)
-        ctx.base, ctx.scaling = base, scaling
+        ctx.base, ctx.scaling, ctx.kept = base, scaling, current()
         # Not a view of an internal buffer: callers (RoPE, in place) may modify outputs in place.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], out_f))
 
@@ -391,7 +403,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, base.shape[1]), dy.reshape(-1, base.shape[0])
         need = ctx.needs_input_grad
         dx, (da,), (db,) = group_backward(x2, (dy2,), xa, (base,), adapters_of((lora_a, lora_b), (ctx.scaling,)),
-                                          (need[0], need[1:2], need[2:3]), None, a_stacked, [b_cast])
+                                          (need[0], need[1:2], need[2:3]), None, a_stacked, [b_cast], ctx.kept)
         return (None if dx is None else dx.view(x.shape)), da, db, None, None
 
 
@@ -441,9 +453,11 @@ class LoRAQKVFunction(torch.autograd.Function):
         adapters = adapters_of((aq, bq, ak, bk, av, bv), scalings)
         xa, a_stacked = stacked_xa(x2, adapters)
         b_cast = cast_b(bases, adapters, x2.dtype)
-        ys = project(x2, bases, adapters, xa, scratch_for(bases, x.dtype, x.device), b_cast=b_cast)
+        kept = recording_for(ctx)
+        scratch = None if kept is not None else scratch_for(bases, x.dtype, x.device)  # kept: a buffer each
+        ys = project(x2, bases, adapters, xa, scratch, b_cast=b_cast, kept=kept)
         ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv, a_stacked, *b_cast)
-        ctx.bases, ctx.scalings = bases, scalings
+        ctx.bases, ctx.scalings, ctx.kept = bases, scalings, current()
         # Not views of internal buffers: RoPE rotates q/k in place right after.
         return tuple(torch.ops.aten._unsafe_view(y, (*x.shape[:-1], base.shape[0])) for y, base in zip(ys, bases))
 
@@ -457,7 +471,7 @@ class LoRAQKVFunction(torch.autograd.Function):
         dys = [g.reshape(-1, base.shape[0]) for g, base in zip((dq, dk, dv), bases)]
         scratch = scratch_for(bases, x.dtype, x.device) if need[0] else None
         dx, da, db = group_backward(x2, dys, xa, bases, adapters_of(ab, ctx.scalings),
-                                    (need[0], need[1:7:2], need[2:7:2]), scratch, a_stacked, b_cast)
+                                    (need[0], need[1:7:2], need[2:7:2]), scratch, a_stacked, b_cast, ctx.kept)
         grads = [g for pair in zip(da, db) for g in pair]
         return (None if dx is None else dx.view(x.shape), *grads, None, None)
 

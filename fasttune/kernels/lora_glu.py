@@ -39,6 +39,7 @@ import triton.language as tl
 from ._backend import cdiv, check_float, next_power_of_2, use_triton
 from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, b_as, cast_b,
                    check_projection, grad_input, group_backward, project, scratch_for, stacked_xa)
+from .kept_weights import current, recording_for
 from .lora_wide import wide_columns
 from .nf4 import cast_rne
 from .swiglu import _act_and_grad  # shared activation and derivative (one definition)
@@ -254,13 +255,14 @@ class LoRAMLPFunction(torch.autograd.Function):
     def forward(ctx, x, ag, bg, au, bu, ad, bd, bases, scalings, act, output_unused=False):
         gate, up, down = bases
         x2 = x.reshape(-1, gate.shape[1])
-        scratch = scratch_for(bases, x.dtype, x.device)
+        kept = recording_for(ctx)  # a recompute keeps gate's and up's dequantised NF4 weights for backward
+        scratch = scratch_for(bases if kept is None else () if output_unused else (down,), x.dtype, x.device)
         gu_adapters = adapters_of((ag, bg, au, bu), scalings[:2])
         xa, a_gu = stacked_xa(x2, gu_adapters)
         b_gu = cast_b((gate, up), gu_adapters, x2.dtype)
         # Not widened (NF4 and FP8 bases, lora_widen off): the rank-r terms join the GLU pass.
         rank_in_glu = xa is not None and use_triton(x2) and wide_columns((gate, up), gu_adapters, x.dtype) is None
-        g, u = project(x2, (gate, up), gu_adapters, xa, scratch, rank_terms=not rank_in_glu, b_cast=b_gu)
+        g, u = project(x2, (gate, up), gu_adapters, xa, scratch, rank_terms=not rank_in_glu, b_cast=b_gu, kept=kept)
         d_adapters = adapters_of((ad, bd), scalings[2:])
         b_d = cast_b((down,), d_adapters, x2.dtype)
         # A widened down projection (lora_wide.py) reads H from the first columns of its widened
@@ -278,11 +280,11 @@ class LoRAMLPFunction(torch.autograd.Function):
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
             y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
         else:
-            (y,) = project(h, (down,), d_adapters, ha, scratch, xcat=hcat, b_cast=b_d)
+            (y,) = project(h, (down,), d_adapters, ha, scratch, xcat=hcat, b_cast=b_d, kept=kept)
         # The adapter casts are saved tensors, not ctx attributes: a checkpointed layer does not hold
         # them from its forward to its backward (its recompute makes them again).
         ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd, a_gu, a_d, *b_gu, *b_d)
-        ctx.bases, ctx.scalings, ctx.act, ctx.consumed = bases, scalings, act, False
+        ctx.bases, ctx.scalings, ctx.act, ctx.consumed, ctx.kept = bases, scalings, act, False, current()
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], down.shape[0]))  # not a view: safe to modify in place
 
     @staticmethod
@@ -300,14 +302,14 @@ class LoRAMLPFunction(torch.autograd.Function):
         # Down projection: dH = dYB_d A_d + dY W_d; H is recomputed over dH only if dA_d needs it.
         d_adapters = adapters_of((ad, bd), ctx.scalings[2:])
         dyb_d, a_d = adapter_dyb((dy2,), d_adapters, a_d, b_cast[2:])
-        dh = grad_input((dy2,), (down,), dyb_d, a_d, scratch)
+        dh = grad_input((dy2,), (down,), dyb_d, a_d, scratch, ctx.kept)
         glu_backward_(g, u, dh, ctx.act, store_h=ad is not None and need[5])  # g ← dG, u ← dU, dh ← H
         (da_d,), (db_d,) = adapter_grads(dh, (dy2,), ha, dyb_d, d_adapters, need[5:6], need[6:7])
         del dh
 
         # Gate and up share X: dX = [dYB_g dYB_u] [A_g; A_u] + dG W_g + dU W_u.
         dx, da, db = group_backward(x2, (g, u), xa, (gate, up), adapters_of((ag, bg, au, bu), ctx.scalings[:2]),
-                                    (need[0], need[1:5:2], need[2:5:2]), scratch, a_gu, b_cast[:2])
+                                    (need[0], need[1:5:2], need[2:5:2]), scratch, a_gu, b_cast[:2], ctx.kept)
         return (None if dx is None else dx.view(x.shape), da[0], db[0], da[1], db[1], da_d, db_d,
                 None, None, None, None)
 

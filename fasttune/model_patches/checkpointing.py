@@ -14,7 +14,7 @@ gradients enabled it runs the stock forward in one of three ways:
 
 Recompute and offload run the very same kernels on the very same inputs as the stock forward, so
 gradients are bitwise those of an unchecked run wherever the kernels are deterministic. While a
-layer is recomputed, ``recomputing()`` is True: the recompute's output is thrown away, so the
+layer is recomputed, ``layer_call.recomputing()`` is True: the recompute's output is thrown away, so the
 fused LoRA MLP skips its down projection there (the layer's last GEMM, ~27% of a Llama layer's
 recompute FLOPs) in families whose MLP output goes straight into the residual sum (lora.py).
 Non-reentrant checkpointing needs no ``enable_input_require_grads`` (LoRA with frozen embeddings
@@ -44,7 +44,6 @@ unless its class declares ``_can_checkpoint_with_cache``.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import logging
 from dataclasses import dataclass
@@ -55,9 +54,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import FastConfig
 from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
+from ..kernels.kept_weights import KeptWeights
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
-from .attention_stash import ATTENTION, EXPERTS, MLP, LayerStash, StashChain
+from .attention_stash import ATTENTION, EXPERTS, MLP, StashChain
+from .layer_call import ForwardThenRecompute
 from . import no_grad_forward
 from .offload import OffloadedCheckpointer
 from .report import PatchReport
@@ -72,49 +73,6 @@ GIB = 1 << 30
 MARGIN_BYTES = 2 * GIB          # allocator fragmentation, cuBLAS workspaces, transient buffers
 MARGIN_FRACTION = 0.05          # of the device's total memory, when larger
 STOCK_LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 upcast + fp32 and bf16 gradients (stock HF loss)
-
-
-_RECOMPUTING = contextvars.ContextVar("fasttune_recomputing", default=False)
-_LAYER_MEMO = contextvars.ContextVar("fasttune_layer_memo", default=None)
-
-
-def recomputing() -> bool:
-    """True while a checkpointed decoder layer is recomputed in backward (its output is discarded)."""
-    return _RECOMPUTING.get()
-
-
-def layer_memo() -> dict | None:
-    """The memo of the checkpointed layer call running now, shared by its forward and its recompute
-    (None outside one). What the forward decided from the module state (which projections take the
-    fused path) is stored there and reused by the recompute: the recompute must compute what the
-    forward computed, and deciding again would cost the host the same checks a second time."""
-    return _LAYER_MEMO.get()
-
-
-class ForwardThenRecompute:
-    """The function handed to ``checkpoint``: its first call is the forward, every later call a
-    recompute (run with ``recomputing()`` True). Both run with ``layer_memo()`` = this call's memo."""
-
-    def __init__(self, stock, stash: LayerStash | None = None):
-        self.stock = stock
-        self.calls = 0
-        self.stash = stash  # the layer call's stash (attention_stash.py), if it has one
-        self.memo: dict = {}
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        recompute = self.calls > 1
-        stash_token = self.stash.begin(recompute) if self.stash is not None else None
-        token = _RECOMPUTING.set(True) if recompute else None
-        memo_token = _LAYER_MEMO.set(self.memo)
-        try:
-            return self.stock(*args, **kwargs)
-        finally:
-            _LAYER_MEMO.reset(memo_token)
-            if token is not None:
-                _RECOMPUTING.reset(token)
-            if stash_token is not None:
-                LayerStash.end(stash_token)
 
 
 def resident_layers(n_layers: int, layer_bytes: int, budget_bytes: int | None, working_bytes: int = 0) -> int:
@@ -276,6 +234,7 @@ class LayerCheckpointing:
         self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
+        self.keep_nf4 = config.keep_recomputed_nf4
         ngf = config.checkpoint_no_grad_forward  # None: on for MoE (host-bound), under forward graphs (replayed)
         self.no_grad_forward = (moe or config.checkpoint_forward_graphs) if ngf is None else ngf
         self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
@@ -367,7 +326,8 @@ class CheckpointedLayerForward(PatchedForward):
             return self.stock(hidden, *args, **kwargs)
         kwargs = self._without_cache(kwargs)
         stash = self.state.stash if how == OFFLOAD else None
-        fn = ForwardThenRecompute(self.stock, stash.new_layer(self.index, hidden) if stash is not None else None)
+        fn = ForwardThenRecompute(self.stock, stash.new_layer(self.index, hidden) if stash is not None else None,
+                                  KeptWeights() if self.state.keep_nf4 else None)
         without_graph, graphs = no_grad_forward.chosen(self, stash is not None, args, kwargs), self.state.graphs
         with self.state.checkpointer.offloading(hidden) if how == OFFLOAD else contextlib.nullcontext():
             if without_graph:
@@ -495,6 +455,5 @@ def layer_checkpointing(model: nn.Module) -> LayerCheckpointing | None:
     return find_causal_lm(model).__dict__.get(STATE_ATTR)
 
 
-__all__ = ["AutoDecision", "AutoPolicy", "CheckpointedLayerForward", "ForwardThenRecompute", "LayerCheckpointing",
-           "SavedBytesMeter", "install_checkpointing", "layer_checkpointing", "layer_memo", "recomputing",
-           "resident_layers"]
+__all__ = ["AutoDecision", "AutoPolicy", "CheckpointedLayerForward", "LayerCheckpointing",
+           "SavedBytesMeter", "install_checkpointing", "layer_checkpointing", "resident_layers"]

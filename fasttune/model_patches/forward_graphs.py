@@ -20,7 +20,7 @@ What a replay must reproduce, and how:
   (``graph_inputs.py``: transformers builds a new mask every forward).
 - what the Python of the call leaves behind: fasttune's call counts of the layer's ops (the capture's
   counts are added again at each replay), the forward's fused-LoRA decisions that its recompute reuses
-  (``checkpointing.layer_memo``), and the forward's place in its ``ForwardThenRecompute``.
+  (``layer_call.layer_memo``), and the forward's place in its ``ForwardThenRecompute``.
 - Left eager: dropout with p > 0 in training (its random numbers are the recompute's to repeat; an
   ``nn.Dropout`` or a ``*dropout`` probability attribute, ``draws_dropout``), a layer whose call
   records tensors for transformers (router logits under ``output_router_logits``: a replay would not

@@ -28,7 +28,7 @@ the adapter state changes under a patched model (``set_adapter``, ``merge_adapte
 ``disable_adapter()`` for DPO's reference pass): a call that does not qualify runs the default
 path of that forward (the module's own projections), which is exactly PEFT's. The one exception is
 a checkpoint recompute, which takes the decision of the forward it recomputes
-(``checkpointing.layer_memo``; not with ZeRO-3 parameters). A call also
+(``layer_call.layer_memo``; not with ZeRO-3 parameters). A call also
 falls back when the stock layers would not compute in the activations' dtype: outside
 ``torch.autocast``, each dense weight, or the compute dtype bitsandbytes' ``Linear4bit`` would
 use, must be x's dtype, and adapters must be x's dtype or float32. float32 adapters under bf16
@@ -50,7 +50,7 @@ from ..kernels.fp8 import product_path
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.lora_glu import lora_mlp
 from .attention import attention_forward
-from .checkpointing import layer_memo, recomputing
+from .layer_call import layer_memo, recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .fp8_base import fp8_op
 from .instance import autograd_on, stock_is_faster
@@ -200,7 +200,7 @@ class _Hook:
 
     def decide(self, module: nn.Module, x: torch.Tensor, how):
         """``how(module, x)``: this call's specs or why not; in a checkpoint recompute, the decision its
-        forward took (``checkpointing.layer_memo``), so the recompute runs the same path without paying
+        forward took (``layer_call.layer_memo``), so the recompute runs the same path without paying
         for the checks again. Not reused for DeepSpeed ZeRO-3 parameters, whose gathering the checks
         must see at each call."""
         memo = layer_memo()

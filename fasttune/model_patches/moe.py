@@ -48,7 +48,7 @@ from ..kernels.grouped_mlp import ExpertGLU, ExpertProjection, grouped_mlp
 from ..kernels.moe_reference import moe_glu as reference_glu
 from ..kernels.nf4_weight import NF4Weight
 from . import attention_stash
-from .checkpointing import recomputing
+from .layer_call import recomputing
 from .families import ACTIVATIONS, FamilySpec
 from .instance import DECODE_STEP, PatchedForward, stock_forward, stock_is_faster, swap_forward
 from .mlp import config_activation, probe_activation
