@@ -105,7 +105,8 @@ class FastConfig:
         "help": "With checkpointing: the NF4 weights a checkpointed layer's recompute dequantises are kept for that "
                 "layer's backward (dX = dY W) instead of being dequantised again, when the compute dtype is the "
                 "QuantState's (bf16 QLoRA): 6 of a Llama layer's 20 dequantisations a step, for one layer's weights "
-                "held from its recompute to its backward (~0.3 GiB on an 8B model). Exact: the same values."})
+                "held from its recompute to its backward. Exact: the same values. 8B NF4 step on an H100: -1.1% time, "
+                "+0.19 GiB peak (benchmarks/RESULTS.md, session 41)."})
     attention_stash: bool = field(default=False, metadata={
         "help": "With checkpointing 'offload' or 'auto': the attention core of each offloaded decoder layer "
                 "(q/k/v projections through the attention output) keeps what it saves for backward in pinned "
