@@ -31,12 +31,11 @@ _CURRENT = contextvars.ContextVar("fasttune_kept_weights", default=None)
 class KeptWeights:
     """One checkpointed layer call's dequantised NF4 weights, from its recompute to its backward."""
 
-    __slots__ = ("_weights", "recording", "puts", "takes")
+    __slots__ = ("_weights", "recording")
 
     def __init__(self):
         self._weights: dict[tuple, torch.Tensor] = {}
         self.recording = False  # True while the layer is recomputed
-        self.puts = self.takes = 0  # counters, for tests and benchmarks
 
     @staticmethod
     def _key(base, dtype: torch.dtype) -> tuple:
@@ -46,16 +45,15 @@ class KeptWeights:
         return id(base.quant_state), packed.device, packed.data_ptr(), tuple(packed.shape), dtype
 
     def put(self, base, weight: torch.Tensor) -> None:
-        """Keep ``weight``, NF4 ``base`` (a ``lora.BaseWeight``) dequantised."""
+        """Keep ``weight``, NF4 ``base`` (a ``lora.BaseWeight``) dequantised: [out, in], or the widened
+        [out, in + R] buffer whose first ``in`` columns hold it (``lora_wide.BorderedNf4``)."""
         self._weights[self._key(base, weight.dtype)] = weight
-        self.puts += 1
 
-    def take(self, base, dtype: torch.dtype) -> torch.Tensor | None:
-        """``base`` dequantised to ``dtype`` by the recompute, or None; removed."""
+    def take(self, base, dtype: torch.dtype, whole: bool = False) -> torch.Tensor | None:
+        """``base`` dequantised to ``dtype`` by the recompute, or None; removed. A widened buffer comes
+        back whole with ``whole``, else as its [out, in] weight columns."""
         w = self._weights.pop(self._key(base, dtype), None)
-        if w is not None:
-            self.takes += 1
-        return w
+        return w if w is None or whole or w.shape[-1] == base.shape[1] else w[:, : base.shape[1]]
 
     def clear(self) -> None:
         self._weights.clear()

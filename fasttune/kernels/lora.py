@@ -73,8 +73,8 @@ class BaseWeight:
             ``quant_state`` is given.
         quant_state: the bitsandbytes ``QuantState`` of an NF4 weight (duck-typed), else None.
         bias: optional frozen bias [out].
-        wide: a ``lora_wide.WideWeight`` whose buffer holds this dense weight (then the rank-r
-            term rides in the base product, ``lora_wide.py``), else None.
+        wide: a ``lora_wide.WideWeight`` whose buffer holds this dense weight, or a ``BorderedNf4``
+            of these codes (then the rank-r term rides in the base product, ``lora_wide.py``), else None.
         fp8_scale: the float32 row scales [out] when ``weight`` holds FP8 codes (uint8 or
             float8_e4m3fn [out, in]), else None.
 
@@ -106,8 +106,8 @@ class BaseWeight:
                 raise ValueError(f"bias must be a tensor of shape [{self._shape(weight, quant_state)[0]}]")
             if bias.requires_grad:
                 raise ValueError("the base bias requires grad, but fused LoRA gives it no gradient: freeze it")
-        if wide is not None and (quant_state is not None or not wide.holds(weight)):
-            raise ValueError("wide must be the WideWeight whose buffer holds this dense weight")
+        if wide is not None and not wide.holds(weight, quant_state):
+            raise ValueError("wide must be the WideWeight holding this dense weight or the BorderedNf4 of these codes")
         self.weight, self.quant_state, self.bias, self.wide = weight, quant_state, bias, wide
 
     @staticmethod
@@ -174,7 +174,7 @@ class BaseWeight:
 def scratch_for(bases, dtype: torch.dtype, device) -> torch.Tensor | None:
     """One buffer big enough for the largest NF4 weight among ``bases`` (None when all dense):
     each projection is dequantised into it in turn, so one layer never holds two weights."""
-    sizes = [b.numel for b in bases if b.is_nf4]
+    sizes = [b.numel for b in bases if b.is_nf4 and b.wide is None]  # bordered ones get their own
     # Uninitialised is safe: each weight is dequantised over the prefix it then reads.
     return torch.empty(max(sizes), dtype=dtype, device=device) if sizes else None
 
@@ -279,7 +279,7 @@ def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
     dt = x2.dtype
     cols = wide_columns(bases, adapters, dt)
     if cols is not None:
-        return project_wide(x2, bases, adapters, xa, cols, xcat)
+        return project_wide(x2, bases, adapters, xa, cols, xcat, kept)
     ys, col, xq = [], 0, None
     for p, (base, ad) in enumerate(zip(bases, adapters)):
         if base.is_fp8:
@@ -370,7 +370,7 @@ def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, 
     if cols is not None:
         if a_stacked is None:
             a_stacked = _stack_a(adapters, dys[0].dtype)
-        dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked)
+        dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked, kept)
     else:
         dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked, b_cast) if (need_x or any(need_a)) else (None, None)
         dx = grad_input(dys, bases, dyb, a_stacked, scratch, kept) if need_x else None

@@ -28,6 +28,12 @@ The weight side is never copied per call: a ``WideWeight`` owns a buffer [out, i
 ``model_patches/lora_widen.py``) and whose tail receives the projection's B, cast to the compute
 dtype, on every call; the rest of the tail stays zero.
 
+NF4 bases (``BorderedNf4``) have no buffer to re-home: each product dequantises W into the first
+``in`` columns of a fresh [out, in + R] buffer (the dequantiser writes rows that far apart) and
+writes the tail there, a buffer that dies with the product unless a checkpointed layer's recompute
+keeps it for the backward (``kept_weights.py``). The same R columns per dequantisation replace the
+rank-r passes over Y and dY (and the GLU kernel's rank-r path, ``lora_glu.py``).
+
 Rounding: one fp32 accumulation of base and rank-r terms and one rounding, where the two-product
 path rounds the base product first. With B = 0 the tail products are exact zeros, so a fresh
 adapter's output is bitwise this path's output with the adapters disabled (zero tail), which is
@@ -39,9 +45,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kept_weights import keeps
+from .nf4 import dequantize_nf4
 from .spare_columns import spare_input
 
-__all__ = ["WideWeight", "wide_columns", "widened_input", "project_wide", "wide_grad_input", "TAIL_MULTIPLE"]
+__all__ = ["BorderedNf4", "WideWeight", "wide_columns", "widened_input", "project_wide", "wide_grad_input",
+           "TAIL_MULTIPLE"]
 
 TAIL_MULTIPLE = 64  # tails padded to 64 columns: rows of a 16-bit buffer stay 128-byte aligned for cuBLAS
 
@@ -72,13 +81,18 @@ class WideWeight:
         """R, the tail width."""
         return self.buf.shape[1] - self.in_features
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buf.dtype
+
     def weight_view(self) -> torch.Tensor:
         return self.buf[:, : self.in_features]
 
-    def holds(self, weight: torch.Tensor) -> bool:
+    def holds(self, weight: torch.Tensor, quant_state=None) -> bool:
         buf = self.buf
-        return (weight.data_ptr() == buf.data_ptr() and weight.dtype == buf.dtype and weight.device == buf.device
-                and tuple(weight.shape) == (buf.shape[0], self.in_features) and weight.stride() == buf.stride())
+        return (quant_state is None and weight.data_ptr() == buf.data_ptr() and weight.dtype == buf.dtype
+                and weight.device == buf.device and tuple(weight.shape) == (buf.shape[0], self.in_features)
+                and weight.stride() == buf.stride())
 
     def load(self, col: int | None, b: torch.Tensor | None) -> None:
         """Put B [out, r] in tail columns [col, col + r) and zeros elsewhere (None: an all-zero tail).
@@ -93,6 +107,52 @@ class WideWeight:
         if b is not None:
             tail[:, col:col + b.shape[1]].copy_(b)
 
+    def fill(self, col: int | None, b: torch.Tensor | None, for_grad_input: bool = False,
+             buf: torch.Tensor | None = None) -> torch.Tensor:
+        """``load`` and the buffer: [W | tail] for one product."""
+        self.load(col, b)
+        return self.buf
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+class BorderedNf4:
+    """An NF4 weight [out, in] (packed codes and ``QuantState``) multiplied in the widened layout with a
+    tail of R columns, dequantised per product (module docstring); ``dtype`` is the compute dtype.
+
+    ``holds(packed, quant_state)`` says whether the layer still has these codes. Not copied by
+    ``copy.deepcopy``.
+    """
+
+    __slots__ = ("packed", "quant_state", "in_features", "extra", "dtype")
+
+    def __init__(self, packed: torch.Tensor, quant_state, extra: int, dtype: torch.dtype):
+        if extra < 1:
+            raise ValueError(f"extra must be >= 1, got {extra}")
+        self.packed, self.quant_state, self.dtype = packed, quant_state, dtype
+        self.in_features, self.extra = int(quant_state.shape[1]), int(extra)
+
+    def holds(self, weight: torch.Tensor, quant_state=None) -> bool:
+        p = self.packed
+        return ((quant_state is None or quant_state is self.quant_state) and weight.data_ptr() == p.data_ptr()
+                and weight.dtype == p.dtype and tuple(weight.shape) == tuple(p.shape) and weight.device == p.device)
+
+    def fill(self, col: int | None, b: torch.Tensor | None, for_grad_input: bool = False,
+             buf: torch.Tensor | None = None) -> torch.Tensor:
+        """A buffer [W | tail] for one product: W dequantised as the forward (or, ``for_grad_input``, dX)
+        reads it, unless ``buf`` (kept from a recompute) holds it already; B in tail columns [col, col + r)."""
+        in_f = self.in_features
+        if buf is None:
+            buf = torch.empty((self.quant_state.shape[0], in_f + self.extra), dtype=self.dtype,
+                              device=self.packed.device)
+            dequantize_nf4(self.packed, self.quant_state, out=buf[:, :in_f], round_to_state=for_grad_input)
+        tail = buf[:, in_f:]
+        tail.zero_()
+        if b is not None:
+            tail[:, col:col + b.shape[1]].copy_(b)
+        return buf
+
     def __deepcopy__(self, memo):
         return None
 
@@ -101,7 +161,7 @@ def wide_columns(bases, adapters, dtype: torch.dtype) -> list[int | None] | None
     """Each projection's first tail column (None where it has no adapter), or None when the group
     cannot run widened: a base without a ``WideWeight``, a buffer of another dtype, unequal tail
     widths, or more rank columns than the tail holds."""
-    widths = {base.wide and (base.wide.extra, base.wide.buf.dtype) for base in bases}
+    widths = {base.wide and (base.wide.extra, base.wide.dtype) for base in bases}
     if len(widths) != 1 or None in widths:
         return None
     ((extra, buf_dtype),) = widths
@@ -126,7 +186,7 @@ def widened_input(x2: torch.Tensor, extra: int, out: torch.Tensor | None = None)
 
 
 def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, cols: list[int | None],
-                 xcat: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 xcat: torch.Tensor | None = None, kept=None) -> list[torch.Tensor]:
     """Y_p = X W_pᵀ (+ b_p) + s_p·XA_p B_pᵀ for each projection p, one product each (module docstring).
 
     Args:
@@ -137,6 +197,7 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
         cols: ``wide_columns(bases, adapters, dtype)``.
         xcat: a [N, in + R] buffer already holding X in its first ``in`` columns, or None (then
             X's own spare columns, ``spare_columns.spare_input``, or a copy of X).
+        kept: a recompute's ``KeptWeights``: the NF4 buffers it may keep are put there.
     """
     dt, in_f = x2.dtype, x2.shape[1]
     extra = bases[0].wide.extra
@@ -158,12 +219,15 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
         tail[:, used:].zero_()
     ys = []
     for base, ad, col in zip(bases, adapters, cols):
-        base.wide.load(col, None if ad is None else ad[1])  # copy_ casts to the buffer's dtype
-        ys.append(F.linear(xcat, base.wide.buf, None if base.bias is None else base.bias.to(dt)))
+        buf = base.wide.fill(col, None if ad is None else ad[1])  # copy_ casts to the buffer's dtype
+        ys.append(F.linear(xcat, buf, None if base.bias is None else base.bias.to(dt)))
+        if kept is not None and keeps(base, dt):
+            kept.put(base, buf)
+        del buf  # an NF4 buffer goes before the next one is made (stream order keeps the product's read safe)
     return ys
 
 
-def wide_grad_input(dys, bases, adapters, cols: list[int | None], a_stacked: torch.Tensor):
+def wide_grad_input(dys, bases, adapters, cols: list[int | None], a_stacked: torch.Tensor, kept=None):
     """(dX, dYB) of a widened group (module docstring): dX [N, in] and dYB = [s_p dY_p B_p]_p
     [N, Σ r_p] are column ranges of one [N, in + R] product sum (row stride in + R).
 
@@ -171,12 +235,14 @@ def wide_grad_input(dys, bases, adapters, cols: list[int | None], a_stacked: tor
         dys: dY_p [N, out_p] per projection, in the compute dtype.
         bases, adapters, cols: as in ``project_wide``; at least one adapter.
         a_stacked: [A_p; …] [Σ r_p, in] in the compute dtype (``lora.stacked_xa``).
+        kept: the layer call's ``KeptWeights``: an NF4 buffer its recompute kept is taken from there.
     """
-    for base, ad, col in zip(bases, adapters, cols):
-        base.wide.load(col, None if ad is None else ad[1])
     dxw = None
-    for dy, base in zip(dys, bases):
-        dxw = torch.mm(dy, base.wide.buf) if dxw is None else dxw.addmm_(dy, base.wide.buf)
+    for dy, base, ad, col in zip(dys, bases, adapters, cols):  # one buffer at a time (NF4: each a new one)
+        held = kept.take(base, dy.dtype, whole=True) if kept is not None and keeps(base, dy.dtype) else None
+        buf = base.wide.fill(col, None if ad is None else ad[1], for_grad_input=True, buf=held)
+        dxw = torch.mm(dy, buf) if dxw is None else dxw.addmm_(dy, buf)
+        del buf, held
     in_f = bases[0].wide.in_features
     dyb = dxw[:, in_f:in_f + a_stacked.shape[0]]
     scales = {ad[2] for ad in adapters if ad is not None}

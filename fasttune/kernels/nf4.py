@@ -43,7 +43,7 @@ import triton.language as tl
 from . import reference
 from ._backend import cdiv, check_same_device, use_triton
 
-__all__ = ["dequantize_nf4"]
+__all__ = ["dequantize_nf4", "fast_rows_apart"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -70,16 +70,27 @@ def _nf4_dequant_kernel(
     code2_ptr,  # the second-level code book [256], fp32 (NESTED only)
     absmax2_ptr,  # second-level scales [blocks / BLOCKSIZE2], fp32 (NESTED only)
     offset_ptr,  # the nested scales' offset [1], fp32 (NESTED only)
-    out_ptr,  # out: the weight [n], contiguous; OUT_DTYPE
-    n,
+    out_ptr,  # out: the weight [n], contiguous, or [n / in_f, in_f] rows `pitch` apart (PITCHED); OUT_DTYPE
+    n, in_f, pitch,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, VALUES: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, VALUES: tl.constexpr, PITCHED: tl.constexpr,
+    RUN: tl.constexpr, ROW_TILE: tl.constexpr,
 ):
     # A program owns VALUES consecutive output values, one per lane of a flat tile: each thread's
     # values are contiguous, so its stores are 16-byte vectors. The byte and scale loads repeat
     # (two values per byte, BLOCKSIZE per scale) and hit L1. On an H100 this ran an 8B MLP weight
     # at 2.4 TB/s; a [bytes, 2] tile, whose threads store 4-byte pairs, at 1.8.
-    idx = tl.program_id(0).to(tl.int64) * VALUES + tl.arange(0, VALUES)
+    start = tl.program_id(0).to(tl.int64) * VALUES
+    # Rows apart (PITCHED): with in_f a multiple of VALUES the tile lies in one row, whose start is one
+    # scalar (ROW_TILE): the same 16-byte stores as the contiguous case (an 8B MLP weight in 66 µs on an
+    # H100, as contiguous). Else the tile as runs of RUN values (RUN divides in_f: a run lies in one row),
+    # which stored at about half that rate on the same GPU ([1, 2,048]: 118 µs): for other widths and the
+    # interpreter, where fewer, larger programs matter more than the stores.
+    if PITCHED and not ROW_TILE:
+        run0 = start + tl.arange(0, VALUES // RUN)[:, None] * RUN
+        idx = run0 + tl.arange(0, RUN)[None, :]
+    else:
+        idx = start + tl.arange(0, VALUES)
     in_range = idx < n
     byte = tl.load(packed_ptr + idx // 2, mask=in_range, other=0).to(tl.int32)
     nib = (byte >> ((1 - (idx & 1).to(tl.int32)) * 4)) & 15
@@ -95,7 +106,15 @@ def _nf4_dequant_kernel(
     w = cast_rne(val * scale, STATE_DTYPE)
     if OUT_DTYPE != STATE_DTYPE:
         w = cast_rne(w.to(tl.float32), OUT_DTYPE)
-    tl.store(out_ptr + idx, w, mask=in_range)
+    if PITCHED and ROW_TILE:
+        row = start // in_f
+        dst = tl.multiple_of(row * pitch + (start - row * in_f), 16) + tl.arange(0, VALUES)
+    elif PITCHED:
+        row = run0 // in_f
+        dst = row * pitch + (run0 - row * in_f) + tl.arange(0, RUN)[None, :]
+    else:
+        dst = idx
+    tl.store(out_ptr + dst, w, mask=in_range)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,9 +166,17 @@ def _check_out(out: torch.Tensor, qs, packed: torch.Tensor) -> None:
         raise ValueError(f"out has shape {tuple(out.shape)}, quant_state.shape is {tuple(qs.shape)}")
     if out.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
+    if not (out.is_contiguous() or _pitch(out) is not None):
+        raise ValueError("out must be contiguous, or rows of contiguous values further apart (a column slice)")
     check_same_device(packed=packed, out=out)
+
+
+def _pitch(out: torch.Tensor) -> int | None:
+    """The row stride of a 2-D ``out`` whose rows are contiguous but further apart than their length
+    (the first columns of a wider buffer, ``lora_wide.py``'s bordered NF4 weights), else None."""
+    if out.dim() != 2 or out.stride(1) != 1 or out.stride(0) <= out.shape[1]:
+        return None
+    return out.stride(0)
 
 
 def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -157,7 +184,7 @@ def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state: bool) -> None:
+def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state: bool) -> torch.Tensor:
     device = packed.device
     data = _as_bytes(packed)
     nested = bool(getattr(qs, "nested", False))
@@ -175,16 +202,31 @@ def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state:
     else:
         code2 = absmax2 = offset = absmax  # unused pointers
         blocksize2 = 1
+    pitch = _pitch(out) if not out.is_contiguous() else None
+    in_f = out.shape[-1]
+    # Rows apart: a program's values come in runs that each lie in one row, the largest power of two up
+    # to 2,048 that divides a row (one run of 2,048 for 4,096- and 14,336-wide rows).
+    run = _VALUES_PER_PROGRAM if pitch is None else min(_VALUES_PER_PROGRAM, in_f & -in_f)
+    # tl.multiple_of(row start, 16) in ROW_TILE holds: start is a multiple of 2,048, in_f of run, pitch of 16.
     grid = (cdiv(n, _VALUES_PER_PROGRAM),)
     # Not rounding to the state's dtype = rounding to out's: the kernel's second cast drops out.
     state_dtype = qs.dtype if round_to_state else out.dtype
     _nf4_dequant_kernel[grid](
         data, _nf4_table(device), absmax, code2, absmax2, offset, out,
-        n,
+        n, in_f, 0 if pitch is None else pitch,
         BLOCKSIZE=qs.blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
         STATE_DTYPE=_TL_DTYPE[state_dtype], OUT_DTYPE=_TL_DTYPE[out.dtype], VALUES=_VALUES_PER_PROGRAM,
+        PITCHED=pitch is not None, RUN=run,
+        ROW_TILE=pitch is not None and run == _VALUES_PER_PROGRAM and pitch % 16 == 0,
         num_warps=4, enable_fp_fusion=False,  # bitsandbytes multiplies then adds: no FMA
     )
+    return out
+
+
+def fast_rows_apart(in_features: int, pitch: int, device: torch.device) -> bool:
+    """Does a CUDA out whose rows are ``pitch`` apart store at the contiguous rate (``ROW_TILE`` in the
+    kernel)? Always True off CUDA, where the rate does not matter."""
+    return torch.device(device).type != "cuda" or (in_features % _VALUES_PER_PROGRAM == 0 and pitch % 16 == 0)
 
 
 def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,
@@ -195,9 +237,10 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
         packed: the packed codes (``Params4bit.data``: uint8 ``[n/2, 1]``, or another storage dtype).
         quant_state: its ``QuantState`` (``absmax``, ``shape``, ``dtype``, ``blocksize``,
             ``nested``, ``offset``, ``state2``); duck-typed.
-        out: optional contiguous buffer of shape ``quant_state.shape`` to write into, so callers
-            can reuse one buffer instead of keeping each full-precision weight. Its dtype may
-            differ from ``quant_state.dtype`` (see ``round_to_state``).
+        out: optional buffer of shape ``quant_state.shape`` to write into, so callers can reuse
+            one buffer instead of keeping each full-precision weight: contiguous, or the first
+            columns of a wider 2-D buffer (rows further apart). Its dtype may differ from
+            ``quant_state.dtype`` (see ``round_to_state``).
         round_to_state: for an ``out`` of another dtype, round to ``quant_state.dtype`` first
             (``dequantize_4bit(...).to(out.dtype)``, bitsandbytes' backward); False rounds once,
             straight to ``out.dtype`` (bitsandbytes' ``gemm_4bit`` forward). Module docstring.
@@ -214,7 +257,11 @@ def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None =
     if n == 0:
         return out
     if use_triton(packed, out):
-        _launch(packed, quant_state, out, n, round_to_state)
+        if out.is_contiguous() or out.shape[1] % 16 == 0:
+            _launch(packed, quant_state, out, n, round_to_state)
+        else:  # rows apart whose length is not a multiple of 16: through a contiguous copy
+            out.copy_(_launch(packed, quant_state, torch.empty_like(out, memory_format=torch.contiguous_format),
+                              n, round_to_state))
         return out
     if not round_to_state and out.dtype != quant_state.dtype:
         quant_state = copy.copy(quant_state)  # a shallow copy: the reference rounds to its dtype

@@ -140,7 +140,9 @@ def call_specs(module: nn.Module, names: tuple[str, ...], x: torch.Tensor):
         return specs
     if x.dtype not in KERNEL_DTYPES:
         return f"input is {x.dtype}"
-    if not autograd_on() and any(spec[0].is_nf4 for spec in specs):
+    # A bordered NF4 group (lora_widen.py) stays fused without autograd: DPO's reference pass and the
+    # policy's then compute the same products, so a fresh adapter's log-ratios start at exactly 0.
+    if not autograd_on() and any(spec[0].is_nf4 and spec[0].wide is None for spec in specs):
         return "NF4 inference (no autograd): bitsandbytes' own 4-bit kernels"
     autocast = x.device.type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(x.device.type)
     x_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -223,7 +225,7 @@ class _Hook:
         specs = call_specs(module, self.names, x)
         if not isinstance(specs, str):
             return self.widened(module, specs, compute_dtype(x))
-        # Tried once per hook: a group that cannot widen (NF4, ...) must not pay for the probe on
+        # Tried once per hook: a group that cannot widen (FP8, ...) must not pay for the probe on
         # every reference call; one that did is found widened by call_specs from then on.
         if self.widen and not self._probed_disabled and any(
                 getattr(getattr(module, n, None), "disable_adapters", False) for n in self.names):

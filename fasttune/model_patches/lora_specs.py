@@ -73,7 +73,8 @@ def _base_weight(layer: nn.Module, zero3_owner: nn.Module | None) -> BaseWeight 
         if getattr(quant_state, "quant_type", None) != "nf4":
             return f"4-bit quant_type {getattr(quant_state, 'quant_type', None)!r}, only nf4 is fused"
         _check_code_storage(layer, weight, quant_state)
-        return BaseWeight(weight.data, quant_state, None if bias is None else bias.detach())
+        return BaseWeight(weight.data, quant_state, None if bias is None else bias.detach(),
+                          wide_of(layer, weight.data, quant_state))
     if not isinstance(layer, nn.Linear) or weight.dim() != 2 or not weight.is_floating_point():
         return f"base layer {type(layer).__name__} is not a linear layer"
     return BaseWeight(weight, None, bias, wide_of(layer, weight))

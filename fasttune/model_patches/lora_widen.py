@@ -11,9 +11,12 @@ it contiguous). The ``WideWeight`` is kept on the base layer (``WIDE_ATTR``) and
 A group is widened when it pays: its projections' outputs together are wider than its input (q/k/v,
 gate/up; the gated MLP's down projection always, its input being written in place by the GLU
 kernel), and only weights fasttune may re-home: plain dense tensors in the compute dtype that own
-their storage (not FSDP shards or views of flat buffers, not DeepSpeed ZeRO-3 partitions, not
-quantised: NF4, and FP8 bases, whose codes cannot hold the 16-bit B columns and whose rank-r term
-must keep its precision, so FP8 groups keep the two-product path). Memory: R = Σ r_p rounded up to
+their storage (not FSDP shards or views of flat buffers, not DeepSpeed ZeRO-3 partitions, not FP8
+bases, whose codes cannot hold the 16-bit B columns and whose rank-r term must keep its precision,
+so FP8 groups keep the two-product path). A group of NF4 bases is widened by the same rule without
+re-homing anything: each gets a ``BorderedNf4`` (the layout only; every product dequantises into a
+widened buffer of its own, ``lora_wide.py``), unless its codes are a tensor subclass (FSDP2) or
+ZeRO-3 partitions, or (on CUDA) a width is not a multiple of 2,048 (``nf4.fast_rows_apart``). Memory: R = Σ r_p rounded up to
 ``TAIL_MULTIPLE`` (64) columns per weight, +1.2% of an 8B model's weights at r = 16. Widening
 happens at a projection group's first fused call, not at patch time: FSDP shards the model after
 fasttune patches it and refuses strided parameters.
@@ -26,7 +29,8 @@ import torch
 from torch import nn
 
 from ..kernels.lora import BaseWeight
-from ..kernels.lora_wide import TAIL_MULTIPLE, WideWeight
+from ..kernels.lora_wide import TAIL_MULTIPLE, BorderedNf4, WideWeight
+from ..kernels.nf4 import fast_rows_apart
 from .module_attr import base_layer_of, module_attr
 from .zero3 import is_zero3_param
 
@@ -35,13 +39,14 @@ __all__ = ["WIDE_ATTR", "owns_storage", "widen_group", "unwiden", "wide_of"]
 WIDE_ATTR = "_fasttune_wide"
 
 
-def wide_of(layer: nn.Module, weight: torch.Tensor):
-    """The layer's ``WideWeight`` when ``weight`` still lives in it; a stale one (the parameter was
-    moved or re-homed since, by ``.to()``, FSDP or a merge) is dropped, freeing its buffer."""
+def wide_of(layer: nn.Module, weight: torch.Tensor, quant_state=None):
+    """The layer's ``WideWeight`` when ``weight`` still lives in it (its ``BorderedNf4`` when these are
+    still its NF4 codes and ``quant_state``); a stale one (the parameter was moved or re-homed since, by
+    ``.to()``, FSDP or a merge) is dropped, freeing its buffer."""
     wide = layer.__dict__.get(WIDE_ATTR)
     if wide is None:
         return None
-    if wide.holds(weight):
+    if wide.holds(weight, quant_state):
         return wide
     del layer.__dict__[WIDE_ATTR]
     return None
@@ -60,6 +65,21 @@ def _can_widen(layer: nn.Module, base: BaseWeight, dtype: torch.dtype) -> bool:
     return (isinstance(layer, nn.Linear) and isinstance(weight, nn.Parameter) and base.weight is weight
             and not base.is_nf4 and not base.is_fp8 and not weight.requires_grad and weight.dtype == dtype
             and not is_zero3_param(weight) and (base.wide is not None or owns_storage(weight)))
+
+
+def _can_border(layer: nn.Module, base: BaseWeight, dtype: torch.dtype, extra: int) -> bool:
+    weight = module_attr(layer, "weight")
+    # On CUDA only widths whose rows-apart store runs at the contiguous rate (multiples of 2,048, as every
+    # Llama/Qwen3 8B projection): the slower store costs about what the rank-r passes save (RESULTS.md).
+    return (isinstance(layer, nn.Linear) and base.is_nf4 and type(base.weight) is torch.Tensor
+            and dtype in (torch.float32, torch.float16, torch.bfloat16) and not is_zero3_param(weight)
+            and fast_rows_apart(base.shape[1], base.shape[1] + extra, base.weight.device))
+
+
+def _border(layer: nn.Module, base: BaseWeight, extra: int, dtype: torch.dtype) -> BorderedNf4:
+    wide = BorderedNf4(base.weight, base.quant_state, extra, dtype)
+    layer.__dict__[WIDE_ATTR] = wide
+    return wide
 
 
 def _widen(layer: nn.Module, extra: int) -> WideWeight:
@@ -95,11 +115,14 @@ def widen_group(projections: list[nn.Module], specs: list, dtype: torch.dtype, i
         return specs  # widened already, with room for these adapters
     if input_copied and sum(b.shape[0] for b in bases) <= bases[0].shape[1]:
         return specs  # copying X would cost as much as the rank-r passes it saves
-    if any(b.is_nf4 or b.is_fp8 for b in bases):
-        return specs  # quantised bases are not widened (_can_widen)
     layers = [base_layer_of(p) for p in projections]
+    if all(b.is_nf4 for b in bases):  # NF4: the layout only, nothing re-homed
+        if not all(_can_border(layer, base, dtype, extra) for layer, base in zip(layers, bases)):
+            return specs
+        return [(BaseWeight(spec[0].weight, spec[0].quant_state, spec[0].bias, _border(layer, spec[0], extra, dtype)),
+                 *spec[1:]) for layer, spec in zip(layers, specs)]
     if not all(_can_widen(layer, base, dtype) for layer, base in zip(layers, bases)):
-        return specs
+        return specs  # FP8, a mix with NF4, or a weight fasttune may not re-home
     out = []
     for layer, spec in zip(layers, specs):
         base = spec[0]
@@ -113,7 +136,7 @@ def unwiden(model: nn.Module) -> None:
     for module in model.modules():
         wide = module.__dict__.pop(WIDE_ATTR, None)
         weight = getattr(module, "weight", None)
-        if wide is not None and isinstance(weight, torch.Tensor) and wide.holds(weight):
+        if isinstance(wide, WideWeight) and isinstance(weight, torch.Tensor) and wide.holds(weight):
             with torch.no_grad():
                 weight.data = weight.data.contiguous()
 

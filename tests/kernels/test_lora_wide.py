@@ -19,9 +19,11 @@ import torch
 from fasttune.kernels import reference
 from fasttune.kernels.lora import BaseWeight, lora_linear, lora_qkv
 from fasttune.kernels.lora_glu import lora_mlp
-from fasttune.kernels.lora_wide import WideWeight, project_wide, wide_columns
+from fasttune.kernels import kept_weights
+from fasttune.kernels.kept_weights import KeptWeights
+from fasttune.kernels.lora_wide import BorderedNf4, WideWeight, project_wide, wide_columns
 from helpers.kernel_checks import check_in_norm
-from helpers.wide_lora import check, spec, widened
+from helpers.wide_lora import check, nf4_spec, spec, widened
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,6 +71,103 @@ def test_lora_mlp_widened(device, dtype, activation):
     check_in_norm(y, ref64[0], same[0], what="output")
     for i, g in enumerate(got):
         check_in_norm(g, ref64[1][i], same[1][i], what=f"grad {i}")
+
+
+# --- NF4 bases, bordered per product (BorderedNf4) ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bordered_nf4_qkv_against_float64(device, dtype):
+    """q/k/v over NF4 weights in the widened layout (k without adapter, with bias; ranks 8 and 5 in a
+    tail of 16): outputs and every gradient against float64 math on the dequantised weights."""
+    torch.manual_seed(10)
+    x = torch.randn(3, 23, 64, device=device, dtype=dtype, requires_grad=True)
+    parts = [nf4_spec(96, 64, 8, dtype, device, 31, extra=16),
+             nf4_spec(48, 64, 0, dtype, device, 32, extra=16, bias=True),
+             nf4_spec(48, 64, 5, dtype, device, 33, extra=16)]
+    assert wide_columns([p[0][0] for p in parts], [None if p[0][1] is None else p[0][1:] for p in parts],
+                        dtype) == [0, None, 8]
+    check(lambda x, specs: lora_qkv(x, *specs), x, parts, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bordered_nf4_mlp_against_float64(device, dtype):
+    """gate/up bordered (their rank-r terms in the products, not in the GLU pass) and down bordered
+    (H written by the GLU kernel into its widened input); odd row counts, widths 80 and 144."""
+    torch.manual_seed(11)
+    x = torch.randn(2, 29, 80, device=device, dtype=dtype, requires_grad=True)
+    parts = [nf4_spec(144, 80, 8, dtype, device, 34, extra=16), nf4_spec(144, 80, 8, dtype, device, 35, extra=16),
+             nf4_spec(80, 144, 8, dtype, device, 36, extra=16)]
+    y = lora_mlp(x, *(p[0] for p in parts))
+    dy = torch.randn_like(y)
+    params = [x] + [t for (_, a, b, _), _, _ in parts for t in (a, b)]
+    got = torch.autograd.grad(y, params, dy)
+    refs = {}
+    for rdt in (torch.float64,) + ((dtype,) if dtype != torch.float32 else ()):
+        leaves = [t.detach().to(rdt).requires_grad_() for t in params]
+        specs = [(parts[i][1].to(rdt), leaves[1 + 2 * i], leaves[2 + 2 * i], parts[i][0][3]) for i in range(3)]
+        ry = reference.lora_mlp(leaves[0], *specs)
+        refs[rdt] = (ry, torch.autograd.grad(ry, leaves, dy.to(rdt)))
+    same = refs[dtype] if dtype != torch.float32 else (None, [None] * len(params))
+    check_in_norm(y, refs[torch.float64][0], same[0], what="output")
+    for i, g in enumerate(got):
+        check_in_norm(g, refs[torch.float64][1][i], same[1][i], what=f"grad {i}")
+
+
+def test_bordered_nf4_kept_by_a_recompute_serve_its_backward_bitwise(device):
+    """A recording pass (a checkpointed layer's recompute) puts each bordered buffer whole; the
+    backward takes them instead of dequantising: the same output and gradients bit for bit, and
+    nothing left kept."""
+    dt = torch.bfloat16
+    torch.manual_seed(12)
+    x = torch.randn(37, 64, device=device, dtype=dt, requires_grad=True)
+    parts = [nf4_spec(96, 64, 8, dt, device, 37, extra=16), nf4_spec(48, 64, 4, dt, device, 38, extra=16),
+             nf4_spec(48, 64, 4, dt, device, 39, extra=16)]
+    dys = [torch.randn(37, p[1].shape[0], device=device, dtype=dt) for p in parts]
+    params = [x] + [t for (_, a, b, _), _, _ in parts for t in (a, b)]
+    runs = []
+    for recording in (False, True):
+        kept = KeptWeights()
+        token = kept_weights.keeping(kept, recording)
+        try:
+            outs = lora_qkv(x, *(p[0] for p in parts))
+        finally:
+            kept_weights.stop(token)
+        assert len(kept) == (3 if recording else 0)
+        if recording:
+            held = list(kept._weights.values())
+            assert all(w.shape[1] == 64 + 16 for w in held)  # whole bordered buffers
+        runs.append((outs, torch.autograd.grad(outs, params, dys)))
+        assert len(kept) == 0  # each taken once
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_bordered_nf4_fresh_adapter_is_bitwise_the_adapterless_product(device):
+    """B = 0 against the adapters off (DPO's reference pass, which lora_spec runs bordered too)."""
+    torch.manual_seed(13)
+    x = torch.randn(41, 64, device=device, dtype=torch.bfloat16)
+    (base, a, b, s), _, _ = nf4_spec(112, 64, 16, torch.bfloat16, device, 40, extra=16)
+    with torch.no_grad():
+        b.zero_()
+        fresh = project_wide(x, [base], [(a, b, s)], x @ a.t(), [0])[0]
+        off = project_wide(x, [base], [None], None, [None])[0]
+    assert torch.equal(fresh, off)
+
+
+def test_bordered_nf4_holds_its_codes_and_state_only(device):
+    (base, *_), _, _ = nf4_spec(16, 32, 4, torch.bfloat16, device, 41, extra=16)
+    wide = base.wide
+    assert wide.holds(base.weight, base.quant_state) and wide.holds(base.weight)
+    assert not wide.holds(base.weight.clone()) and not wide.holds(base.weight, copy.copy(base.quant_state))
+    assert copy.deepcopy({"w": wide})["w"] is None
+    dense = widened(torch.randn(16, 32, device=device), 16).wide
+    assert not dense.holds(dense.weight_view(), base.quant_state)  # a dense buffer never holds NF4 codes
+    with pytest.raises(ValueError, match="BorderedNf4"):
+        BaseWeight(base.weight.clone(), base.quant_state, None, wide)
+    with pytest.raises(ValueError, match="extra"):
+        BorderedNf4(base.weight, base.quant_state, 0, torch.bfloat16)
+    assert wide_columns([base], [None], torch.float32) is None  # bordered for bf16 products only
 
 
 def test_fresh_adapter_is_bitwise_the_adapterless_product(device):
@@ -133,7 +232,7 @@ def test_holds_and_deepcopy(device):
     assert wide.holds(base.weight) and not wide.holds(base.weight.contiguous())
     assert not wide.holds(base.weight.to(torch.float64))
     assert copy.deepcopy({"w": wide})["w"] is None  # a deep-copied model gets no buffer
-    with pytest.raises(ValueError, match="holds this dense weight"):
+    with pytest.raises(ValueError, match="holding this dense weight"):
         BaseWeight(torch.randn(8, 5, device=device), None, None, wide)
     with pytest.raises(ValueError, match="R >= 1"):
         WideWeight(torch.zeros(4, 4, device=device), 4)

@@ -98,12 +98,39 @@ def test_round_to_state_false_rounds_once_to_out_dtype(device, state_dtype, nest
             assert qs.dtype == state_dtype  # the caller's QuantState is left alone
 
 
+@pytest.mark.parametrize("round_to_state", [True, False])
+@pytest.mark.parametrize("nested", [False, True])
+def test_rows_apart_write_only_their_columns(device, nested, round_to_state, monkeypatch):
+    """out = the first columns of a wider buffer (lora_wide's bordered NF4 weights): the same bits as a
+    contiguous out, the other columns untouched. Widths: 4,096 (a program of 2,048 values per row
+    half), 96 and 48 (programs of 32 and 16 values), 5 (not a multiple of 16: a contiguous copy);
+    Triton and the reference fallback alike."""
+    for i, (shape, extra) in enumerate((((3, 4096), 64), ((200, 96), 32), ((37, 48), 16), ((33, 5), 11))):
+        packed, qs = random_nf4(shape, torch.bfloat16, 64, nested, device, seed=30 + i)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            want = dequantize_nf4(packed, qs, out=torch.empty(shape, dtype=out_dtype, device=device),
+                                  round_to_state=round_to_state)
+            for use in (True, False):
+                monkeypatch.setattr(nf4_mod, "use_triton", lambda *t, _u=use: _u)
+                buf = torch.full((shape[0], shape[1] + extra), float("nan"), dtype=out_dtype, device=device)
+                got = dequantize_nf4(packed, qs, out=buf[:, : shape[1]], round_to_state=round_to_state)
+                assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want), (shape, out_dtype, use)
+                assert buf[:, shape[1]:].isnan().all(), (shape, out_dtype, use)
+            monkeypatch.undo()
+    # On CUDA only a row of whole 2,048-value tiles stores at the contiguous rate (lora_widen borders those).
+    assert nf4_mod.fast_rows_apart(4096, 4160, "cuda") and nf4_mod.fast_rows_apart(14336, 14400, "cuda")
+    assert not nf4_mod.fast_rows_apart(3584, 3648, "cuda") and not nf4_mod.fast_rows_apart(4096, 4100, "cuda")
+    assert nf4_mod.fast_rows_apart(96, 128, "cpu")
+
+
 def test_bad_inputs_raise(device):
     packed, qs = random_nf4((37, 64), torch.float16, 64, False, device)
     with pytest.raises(ValueError, match="shape"):
         dequantize_nf4(packed, qs, out=torch.empty(64, 37, dtype=torch.float16, device=device))
     with pytest.raises(ValueError, match="contiguous"):
         dequantize_nf4(packed, qs, out=torch.empty(64, 37, dtype=torch.float16, device=device).t())
+    with pytest.raises(ValueError, match="contiguous"):  # rows apart, but not contiguous within a row
+        dequantize_nf4(packed, qs, out=torch.empty(37, 128, dtype=torch.float16, device=device)[:, ::2])
     with pytest.raises(TypeError, match="out must be"):
         dequantize_nf4(packed, qs, out=torch.empty(37, 64, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="bytes"):

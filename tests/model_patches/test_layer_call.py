@@ -56,8 +56,8 @@ def kept_counts(monkeypatch):
         counts["put"] += 1
         return put(self, base, weight)
 
-    def counting_take(self, base, dtype):
-        w = take(self, base, dtype)
+    def counting_take(self, base, dtype, **kw):
+        w = take(self, base, dtype, **kw)
         counts["take"] += 1
         counts["taken"] += w is not None
         return w

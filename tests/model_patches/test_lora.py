@@ -28,6 +28,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from fasttune import FastConfig, patch_model, unpatch_model
+from fasttune.kernels.lora_wide import BorderedNf4
 from fasttune.model_patches import lora as lora_mod
 from fasttune.model_patches.attention import FastAttentionForward, project_o, project_qkv_separate
 from fasttune.model_patches.families import FAMILIES
@@ -185,6 +186,35 @@ def test_fresh_adapter_output_is_bitwise_the_disabled_adapter_output(model_type,
         ref = reference() if not reference_first else ref
     assert spy["lora_qkv"] + spy["lora_linear"] + spy["lora_mlp"] >= fused_calls_per_forward(model_type) - LAYERS
     assert torch.equal(policy, ref)
+
+
+@pytest.mark.parametrize("reference_first", [False, True], ids=["policy_first", "reference_first"])
+def test_nf4_fresh_adapter_output_is_bitwise_the_disabled_adapter_output(reference_first, device, spy):
+    """The same over NF4 bases, whose q/k/v, gate/up and down groups are bordered (lora_widen.py): those
+    stay fused in the no-grad reference pass, so both passes compute the same products; o_proj (out = in:
+    never bordered) runs bitsandbytes' path there and the base product first in training. The layout
+    sits on the six base layers only and goes with unpatch_model."""
+    model = lora_model("llama", device, seed=5, nf4=True, init_lora_weights=True)
+    patch_model(model, FastConfig())
+    model.train()
+    ids = make_batch(VOCAB, batch=4, seq=20, seed=3, device=device)["input_ids"]
+
+    def reference():
+        with model.disable_adapter(), torch.no_grad():
+            return model(input_ids=ids).logits
+
+    with torch.enable_grad():
+        ref = reference() if reference_first else None
+        policy = model(input_ids=ids).logits
+        ref = reference() if not reference_first else ref
+    assert spy["lora_qkv"] == spy["lora_mlp"] == 2 * LAYERS and spy["lora_linear"] == LAYERS, spy
+    assert torch.equal(policy, ref)
+    bordered = sorted(n.split("layers.")[1] for n, m in model.named_modules() if isinstance(
+        m.__dict__.get("_fasttune_wide"), BorderedNf4))
+    assert bordered == sorted(f"{i}.{g}.{p}.base_layer" for i in range(LAYERS) for g, ps in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))) for p in ps)
+    unpatch_model(model)
+    assert not any("_fasttune_wide" in m.__dict__ for m in model.modules())
 
 
 def test_adapters_on_some_projections_only(device, spy):
@@ -367,7 +397,7 @@ def test_nf4_weights_repacked_by_cpu_inference_fall_back(spy):
     report = patch_model(model, FastConfig())
     batch = make_batch(VOCAB, seed=19)
     model.eval()
-    with model.disable_adapter():  # the stock path through bitsandbytes, as in DPO's reference pass
+    with torch.no_grad():  # the stock path through bitsandbytes (NF4 inference, no bordered group yet)
         logits(model, batch)
     attn = model.base_model.model.model.layers[0].self_attn
     if not getattr(attn.q_proj.base_layer.weight.quant_state, "packing_format_for_cpu", False):

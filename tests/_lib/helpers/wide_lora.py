@@ -6,8 +6,11 @@ import math
 
 import torch
 
+from types import SimpleNamespace
+
 from fasttune.kernels.lora import BaseWeight
-from fasttune.kernels.lora_wide import WideWeight
+from fasttune.kernels.lora_wide import BorderedNf4, WideWeight
+from fasttune.kernels.nf4 import dequantize_nf4
 from helpers.kernel_checks import check_in_norm
 
 
@@ -24,6 +27,29 @@ def spec(out_f, in_f, r, dtype, device, seed, extra=None, bias=False):
     w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype)
     b = (torch.randn(out_f, generator=g) * 0.1).to(device, dtype) if bias else None
     base = widened(w, extra, b) if extra else BaseWeight(w, None, b)
+    if r == 0:
+        return (base, None, None, 0.0), w, b
+    a = (torch.randn(r, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype).requires_grad_()
+    bb = (torch.randn(out_f, r, generator=g) / math.sqrt(r)).to(device, dtype).requires_grad_()
+    return (base, a, bb, 0.5 + seed % 3 * 0.5), w, b
+
+
+def nf4_spec(out_f, in_f, r, dtype, device, seed, extra=None, bias=False):
+    """As ``spec``, over a random NF4 weight (blocksize 64, nested scales, QuantState in ``dtype``),
+    bordered with a tail of ``extra`` when given; the dense W is its dequantised value."""
+    g = torch.Generator().manual_seed(seed)
+    n = out_f * in_f
+    blocks = -(-n // 64)
+    packed = torch.randint(0, 256, ((n + 1) // 2, 1), dtype=torch.uint8, generator=g).to(device)
+    state2 = SimpleNamespace(absmax=(torch.rand(-(-blocks // 256), generator=g) + 0.5).to(device),
+                             code=torch.sort(torch.rand(256, generator=g) * 2 - 1).values.to(device), blocksize=256)
+    qs = SimpleNamespace(absmax=torch.randint(0, 256, (blocks,), dtype=torch.uint8, generator=g).to(device),
+                         shape=torch.Size((out_f, in_f)), dtype=dtype, blocksize=64, quant_type="nf4", nested=True,
+                         offset=torch.tensor(1.0 / math.sqrt(in_f), device=device), state2=state2)
+    qs.state2.absmax /= math.sqrt(in_f)
+    w = dequantize_nf4(packed, qs)
+    b = (torch.randn(out_f, generator=g) * 0.1).to(device, dtype) if bias else None
+    base = BaseWeight(packed, qs, b, BorderedNf4(packed, qs, extra, dtype) if extra else None)
     if r == 0:
         return (base, None, None, 0.0), w, b
     a = (torch.randn(r, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype).requires_grad_()
