@@ -142,15 +142,22 @@ class BorderedNf4:
              buf: torch.Tensor | None = None) -> torch.Tensor:
         """A buffer [W | tail] for one product: W dequantised as the forward (or, ``for_grad_input``, dX)
         reads it, unless ``buf`` (kept from a recompute) holds it already; B in tail columns [col, col + r)."""
-        in_f = self.in_features
+        in_f, shape = self.in_features, (self.quant_state.shape[0], self.in_features + self.extra)
         if buf is None:
-            buf = torch.empty((self.quant_state.shape[0], in_f + self.extra), dtype=self.dtype,
-                              device=self.packed.device)
+            buf = torch.empty(shape, dtype=self.dtype, device=self.packed.device)
             dequantize_nf4(self.packed, self.quant_state, out=buf[:, :in_f], round_to_state=for_grad_input)
+        elif tuple(buf.shape) != shape or buf.dtype != self.dtype:
+            raise ValueError(f"buf must be {self.dtype} {list(shape)} (W | tail), got {buf.dtype} {list(buf.shape)}")
         tail = buf[:, in_f:]
-        tail.zero_()
-        if b is not None:
-            tail[:, col:col + b.shape[1]].copy_(b)
+        if b is None:
+            tail.zero_()
+            return buf
+        lo, hi = col, col + b.shape[1]  # only the columns B does not cover are zeroed
+        tail[:, lo:hi].copy_(b)
+        if lo:
+            tail[:, :lo].zero_()
+        if hi < self.extra:
+            tail[:, hi:].zero_()
         return buf
 
     def __deepcopy__(self, memo):

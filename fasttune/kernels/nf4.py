@@ -48,6 +48,10 @@ __all__ = ["dequantize_nf4", "fast_rows_apart"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _VALUES_PER_PROGRAM = 2048  # ~5 KB of traffic per program in bf16
+# The narrowest row tile (ROW_TILE) CUDA takes. Tiles of 512 and 256 values (Qwen2.5's 3,584 and 18,944,
+# Gemma 3's 3,840) are exact (tests) but not yet timed on a GPU (benchmarks/bench_nf4.py --min-row-tile 256):
+# until then only multiples of 2,048 count as fast, the one width session 42 measured.
+_MIN_ROW_TILE = 2048
 
 
 @triton.jit
@@ -82,10 +86,11 @@ def _nf4_dequant_kernel(
     # at 2.4 TB/s; a [bytes, 2] tile, whose threads store 4-byte pairs, at 1.8.
     start = tl.program_id(0).to(tl.int64) * VALUES
     # Rows apart (PITCHED): with in_f a multiple of VALUES the tile lies in one row, whose start is one
-    # scalar (ROW_TILE): the same 16-byte stores as the contiguous case (an 8B MLP weight in 66 µs on an
-    # H100, as contiguous). Else the tile as runs of RUN values (RUN divides in_f: a run lies in one row),
-    # which stored at about half that rate on the same GPU ([1, 2,048]: 118 µs): for other widths and the
-    # interpreter, where fewer, larger programs matter more than the stores.
+    # scalar (ROW_TILE; VALUES is then the largest power of two up to 2,048 dividing in_f, at least
+    # _MIN_ROW_TILE): the same 16-byte stores as the contiguous case (an 8B MLP weight in
+    # 66 µs on an H100, as contiguous). Else the tile as runs of RUN values (RUN divides in_f: a run lies
+    # in one row), which stored at about half that rate on the same GPU ([1, 2,048]: 118 µs): for widths
+    # with no row tile.
     if PITCHED and not ROW_TILE:
         run0 = start + tl.arange(0, VALUES // RUN)[:, None] * RUN
         idx = run0 + tl.arange(0, RUN)[None, :]
@@ -207,26 +212,33 @@ def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state:
     # Rows apart: a program's values come in runs that each lie in one row, the largest power of two up
     # to 2,048 that divides a row (one run of 2,048 for 4,096- and 14,336-wide rows).
     run = _VALUES_PER_PROGRAM if pitch is None else min(_VALUES_PER_PROGRAM, in_f & -in_f)
-    # tl.multiple_of(row start, 16) in ROW_TILE holds: start is a multiple of 2,048, in_f of run, pitch of 16.
-    grid = (cdiv(n, _VALUES_PER_PROGRAM),)
+    row_tile = pitch is not None and _row_tile(in_f, pitch)
+    # A row tile is one run: tl.multiple_of(row start, 16) holds, as start and in_f are multiples of the
+    # run (≥ 16) and pitch of 16. Its warps give each thread 16 values (16-byte bf16 stores), as 2,048 on 4.
+    values = run if row_tile else _VALUES_PER_PROGRAM
+    grid = (cdiv(n, values),)
     # Not rounding to the state's dtype = rounding to out's: the kernel's second cast drops out.
     state_dtype = qs.dtype if round_to_state else out.dtype
     _nf4_dequant_kernel[grid](
         data, _nf4_table(device), absmax, code2, absmax2, offset, out,
         n, in_f, 0 if pitch is None else pitch,
         BLOCKSIZE=qs.blocksize, BLOCKSIZE2=blocksize2, NESTED=nested,
-        STATE_DTYPE=_TL_DTYPE[state_dtype], OUT_DTYPE=_TL_DTYPE[out.dtype], VALUES=_VALUES_PER_PROGRAM,
-        PITCHED=pitch is not None, RUN=run,
-        ROW_TILE=pitch is not None and run == _VALUES_PER_PROGRAM and pitch % 16 == 0,
-        num_warps=4, enable_fp_fusion=False,  # bitsandbytes multiplies then adds: no FMA
+        STATE_DTYPE=_TL_DTYPE[state_dtype], OUT_DTYPE=_TL_DTYPE[out.dtype], VALUES=values,
+        PITCHED=pitch is not None, RUN=run, ROW_TILE=row_tile,
+        num_warps=max(1, values // 512), enable_fp_fusion=False,  # bitsandbytes multiplies then adds: no FMA
     )
     return out
+
+
+def _row_tile(in_features: int, pitch: int) -> bool:
+    """Rows ``pitch`` apart take one row tile per program (``ROW_TILE``)."""
+    return min(_VALUES_PER_PROGRAM, in_features & -in_features) >= max(_MIN_ROW_TILE, 16) and pitch % 16 == 0
 
 
 def fast_rows_apart(in_features: int, pitch: int, device: torch.device) -> bool:
     """Does a CUDA out whose rows are ``pitch`` apart store at the contiguous rate (``ROW_TILE`` in the
     kernel)? Always True off CUDA, where the rate does not matter."""
-    return torch.device(device).type != "cuda" or (in_features % _VALUES_PER_PROGRAM == 0 and pitch % 16 == 0)
+    return torch.device(device).type != "cuda" or _row_tile(in_features, pitch)
 
 
 def dequantize_nf4(packed: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,

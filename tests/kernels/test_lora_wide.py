@@ -26,13 +26,15 @@ from helpers.kernel_checks import check_in_norm
 from helpers.wide_lora import check, nf4_spec, spec, widened
 
 
+@pytest.mark.parametrize("make,width,seed", [(spec, 72, 0), (nf4_spec, 64, 10)], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_qkv_widened_gqa_partial_adapters(device, dtype):
-    """q 96 wide, k 48 without adapter (bias), v 48; ranks 8 and 5: tail 16 (13 used, padded)."""
-    torch.manual_seed(0)
-    x = torch.randn(3, 23, 72, device=device, dtype=dtype, requires_grad=True)
-    parts = [spec(96, 72, 8, dtype, device, 1, extra=16), spec(48, 72, 0, dtype, device, 2, extra=16, bias=True),
-             spec(48, 72, 5, dtype, device, 3, extra=16)]
+def test_lora_qkv_widened_gqa_partial_adapters(device, dtype, make, width, seed):
+    """q 96 wide, k 48 without adapter (bias), v 48; ranks 8 and 5: tail 16 (13 used, padded). Dense
+    widened bases and NF4 bases bordered per product (BorderedNf4)."""
+    torch.manual_seed(seed)
+    x = torch.randn(3, 23, width, device=device, dtype=dtype, requires_grad=True)
+    parts = [make(96, width, 8, dtype, device, 1, extra=16), make(48, width, 0, dtype, device, 2, extra=16, bias=True),
+             make(48, width, 5, dtype, device, 3, extra=16)]
     assert wide_columns([p[0][0] for p in parts], [None if p[0][1] is None else p[0][1:] for p in parts],
                         dtype) == [0, None, 8]
     check(lambda x, specs: lora_qkv(x, *specs), x, parts, dtype)
@@ -74,20 +76,6 @@ def test_lora_mlp_widened(device, dtype, activation):
 
 
 # --- NF4 bases, bordered per product (BorderedNf4) ---------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bordered_nf4_qkv_against_float64(device, dtype):
-    """q/k/v over NF4 weights in the widened layout (k without adapter, with bias; ranks 8 and 5 in a
-    tail of 16): outputs and every gradient against float64 math on the dequantised weights."""
-    torch.manual_seed(10)
-    x = torch.randn(3, 23, 64, device=device, dtype=dtype, requires_grad=True)
-    parts = [nf4_spec(96, 64, 8, dtype, device, 31, extra=16),
-             nf4_spec(48, 64, 0, dtype, device, 32, extra=16, bias=True),
-             nf4_spec(48, 64, 5, dtype, device, 33, extra=16)]
-    assert wide_columns([p[0][0] for p in parts], [None if p[0][1] is None else p[0][1:] for p in parts],
-                        dtype) == [0, None, 8]
-    check(lambda x, specs: lora_qkv(x, *specs), x, parts, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -153,6 +141,27 @@ def test_bordered_nf4_fresh_adapter_is_bitwise_the_adapterless_product(device):
         fresh = project_wide(x, [base], [(a, b, s)], x @ a.t(), [0])[0]
         off = project_wide(x, [base], [None], None, [None])[0]
     assert torch.equal(fresh, off)
+
+
+def test_bordered_nf4_fill_rewrites_the_whole_tail_of_a_kept_buffer(device):
+    """A kept buffer's tail is rewritten: B in its columns, zeros around it (never the old contents);
+    a buffer of another shape or dtype is refused."""
+    torch.manual_seed(14)
+    (base, _, b, _), _, _ = nf4_spec(40, 64, 4, torch.bfloat16, device, 42, extra=16)
+    wide, b = base.wide, b.detach()
+    for col in (0, 5, 12):
+        buf = torch.full((40, 64 + 16), float("nan"), dtype=torch.bfloat16, device=device)
+        w = torch.randn(40, 64, device=device).to(torch.bfloat16)
+        buf[:, :64] = w
+        assert wide.fill(col, b, buf=buf) is buf
+        want = torch.zeros(40, 16, dtype=torch.bfloat16, device=device)
+        want[:, col:col + 4] = b
+        assert torch.equal(buf[:, 64:], want) and torch.equal(buf[:, :64], w)
+    assert torch.equal(wide.fill(None, None, buf=buf)[:, 64:], torch.zeros_like(want))
+    for bad in (torch.empty(40, 64, dtype=torch.bfloat16, device=device),
+                torch.empty(40, 80, dtype=torch.float32, device=device)):
+        with pytest.raises(ValueError, match="buf must be"):
+            wide.fill(0, b, buf=bad)
 
 
 def test_bordered_nf4_holds_its_codes_and_state_only(device):

@@ -98,28 +98,38 @@ def test_round_to_state_false_rounds_once_to_out_dtype(device, state_dtype, nest
             assert qs.dtype == state_dtype  # the caller's QuantState is left alone
 
 
+@pytest.mark.parametrize("min_row_tile", [2048, 256])
 @pytest.mark.parametrize("round_to_state", [True, False])
 @pytest.mark.parametrize("nested", [False, True])
-def test_rows_apart_write_only_their_columns(device, nested, round_to_state, monkeypatch):
+def test_rows_apart_write_only_their_columns(device, nested, round_to_state, min_row_tile, monkeypatch):
     """out = the first columns of a wider buffer (lora_wide's bordered NF4 weights): the same bits as a
-    contiguous out, the other columns untouched. Widths: 4,096 (a program of 2,048 values per row
-    half), 96 and 48 (programs of 32 and 16 values), 5 (not a multiple of 16: a contiguous copy);
+    contiguous out, the other columns untouched. Widths: 4,096 (a row tile of 2,048 values, each row
+    two), 1,536 and 3,840 (row tiles of 512 and 256 where the narrowest row tile allows, else runs),
+    96 and 48 (programs of runs of 32 and 16 values), 5 (not a multiple of 16: a contiguous copy);
     Triton and the reference fallback alike."""
-    for i, (shape, extra) in enumerate((((3, 4096), 64), ((200, 96), 32), ((37, 48), 16), ((33, 5), 11))):
+    cases = (((3, 4096), 64), ((5, 1536), 64), ((2, 3840), 48), ((200, 96), 32), ((37, 48), 16), ((33, 5), 11))
+    for i, (shape, extra) in enumerate(cases):
         packed, qs = random_nf4(shape, torch.bfloat16, 64, nested, device, seed=30 + i)
         for out_dtype in (torch.bfloat16, torch.float32):
             want = dequantize_nf4(packed, qs, out=torch.empty(shape, dtype=out_dtype, device=device),
                                   round_to_state=round_to_state)
             for use in (True, False):
                 monkeypatch.setattr(nf4_mod, "use_triton", lambda *t, _u=use: _u)
+                monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", min_row_tile)
                 buf = torch.full((shape[0], shape[1] + extra), float("nan"), dtype=out_dtype, device=device)
                 got = dequantize_nf4(packed, qs, out=buf[:, : shape[1]], round_to_state=round_to_state)
                 assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want), (shape, out_dtype, use)
                 assert buf[:, shape[1]:].isnan().all(), (shape, out_dtype, use)
             monkeypatch.undo()
-    # On CUDA only a row of whole 2,048-value tiles stores at the contiguous rate (lora_widen borders those).
-    assert nf4_mod.fast_rows_apart(4096, 4160, "cuda") and nf4_mod.fast_rows_apart(14336, 14400, "cuda")
-    assert not nf4_mod.fast_rows_apart(3584, 3648, "cuda") and not nf4_mod.fast_rows_apart(4096, 4100, "cuda")
+    # On CUDA only rows of whole row tiles count as fast (lora_widen borders those): 2,048 values until
+    # narrower tiles are timed (nf4._MIN_ROW_TILE), Llama-3.1-8B's 4,096 and 14,336; with 256, Qwen2.5-7B's
+    # 3,584 and 18,944 and Gemma 3 12B's 3,840 too.
+    monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", min_row_tile)
+    narrow = (3584, 18944, 3840)
+    for width in (4096, 14336) + narrow:
+        fast = nf4_mod.fast_rows_apart(width, width + 64, "cuda")
+        assert fast == (min_row_tile <= 256 or width not in narrow), width
+    assert not nf4_mod.fast_rows_apart(1152, 1216, "cuda") and not nf4_mod.fast_rows_apart(4096, 4100, "cuda")
     assert nf4_mod.fast_rows_apart(96, 128, "cpu")
 
 
@@ -276,3 +286,17 @@ def test_llama8b_mlp_weight_on_gpu(nested):
     w = torch.randn(14336, 4096, dtype=torch.bfloat16, device="cuda")
     packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
     assert torch.equal(dequantize_nf4(packed, qs), F.dequantize_4bit(packed, qs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 14336), (18944, 3584), (3840, 15360), (1000, 3840)])
+def test_rows_apart_at_full_size_on_gpu(shape, monkeypatch):
+    """Llama-3.1-8B down, Qwen2.5-7B gate, Gemma 3 12B down and a 3,840-wide weight (row tiles of 2,048,
+    512 and 256 values) dequantised into an [out, in + 64] buffer: the contiguous bits, the tail untouched."""
+    monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", 256)
+    packed, qs = random_nf4(shape, torch.bfloat16, 64, True, "cuda", seed=6)
+    want = dequantize_nf4(packed, qs)
+    buf = torch.full((shape[0], shape[1] + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert nf4_mod.fast_rows_apart(shape[1], shape[1] + 64, "cuda")
+    got = dequantize_nf4(packed, qs, out=buf[:, : shape[1]])
+    assert torch.equal(got, want) and buf[:, shape[1]:].isnan().all()
