@@ -48,9 +48,9 @@ __all__ = ["dequantize_nf4", "fast_rows_apart"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _VALUES_PER_PROGRAM = 2048  # ~5 KB of traffic per program in bf16
-# The narrowest row tile (ROW_TILE) CUDA takes. Tiles of 512 and 256 values (Qwen2.5's 3,584 and 18,944,
-# Gemma 3's 3,840) are exact (tests) but not yet timed on a GPU (benchmarks/bench_nf4.py --min-row-tile 256):
-# until then only multiples of 2,048 count as fast, the one width session 42 measured.
+# The narrowest row tile (ROW_TILE) CUDA takes. On an H100 (benchmarks/bench_nf4.py, RESULTS.md) tiles of
+# 1,024 store at the contiguous rate, 512 (Qwen2.5's 3,584 and 18,944) at 1.21x, 256 (Gemma 3's 3,840) at
+# 2.31x, slower than runs. 512 waits for a step-level A/B, so only the measured 2,048 counts as fast.
 _MIN_ROW_TILE = 2048
 
 
@@ -214,7 +214,7 @@ def _launch(packed: torch.Tensor, qs, out: torch.Tensor, n: int, round_to_state:
     run = _VALUES_PER_PROGRAM if pitch is None else min(_VALUES_PER_PROGRAM, in_f & -in_f)
     row_tile = pitch is not None and _row_tile(in_f, pitch)
     # A row tile is one run: tl.multiple_of(row start, 16) holds, as start and in_f are multiples of the
-    # run (≥ 16) and pitch of 16. Its warps give each thread 16 values (16-byte bf16 stores), as 2,048 on 4.
+    # run (≥ 16) and pitch of 16. One warp per 512 values: 16 per thread (16-byte bf16 stores), as 2,048 on 4.
     values = run if row_tile else _VALUES_PER_PROGRAM
     grid = (cdiv(n, values),)
     # Not rounding to the state's dtype = rounding to out's: the kernel's second cast drops out.
