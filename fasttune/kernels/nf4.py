@@ -50,8 +50,9 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 _VALUES_PER_PROGRAM = 2048  # ~5 KB of traffic per program in bf16
 # The narrowest row tile (ROW_TILE) CUDA takes. On an H100 (benchmarks/bench_nf4.py, RESULTS.md) tiles of
 # 1,024 store at the contiguous rate, 512 (Qwen2.5's 3,584 and 18,944) at 1.21x, 256 (Gemma 3's 3,840) at
-# 2.31x, slower than runs. 512 waits for a step-level A/B, so only the measured 2,048 counts as fast.
-_MIN_ROW_TILE = 2048
+# 2.31x, slower than runs. At 512 the Qwen2.5-7B NF4 step gains from the bordered groups (630 against 640 ms,
+# RESULTS.md session 44); 256 is not taken.
+_MIN_ROW_TILE = 512
 
 
 @triton.jit

@@ -16,7 +16,7 @@ bases, whose codes cannot hold the 16-bit B columns and whose rank-r term must k
 so FP8 groups keep the two-product path). A group of NF4 bases is widened by the same rule without
 re-homing anything: each gets a ``BorderedNf4`` (the layout only; every product dequantises into a
 widened buffer of its own, ``lora_wide.py``), unless its codes are a tensor subclass (FSDP2) or
-ZeRO-3 partitions, or (on CUDA) a width is not a multiple of 2,048 (``nf4.fast_rows_apart``). Memory: R = Σ r_p rounded up to
+ZeRO-3 partitions, or (on CUDA) a width is not a multiple of 512 (``nf4.fast_rows_apart``). Memory: R = Σ r_p rounded up to
 ``TAIL_MULTIPLE`` (64) columns per weight, +1.2% of an 8B model's weights at r = 16. Widening
 happens at a projection group's first fused call, not at patch time: FSDP shards the model after
 fasttune patches it and refuses strided parameters.
@@ -69,8 +69,9 @@ def _can_widen(layer: nn.Module, base: BaseWeight, dtype: torch.dtype) -> bool:
 
 def _can_border(layer: nn.Module, base: BaseWeight, dtype: torch.dtype, extra: int) -> bool:
     weight = module_attr(layer, "weight")
-    # On CUDA only widths whose rows-apart store runs at the contiguous rate (multiples of 2,048, as every
-    # Llama/Qwen3 8B projection): the slower store costs about what the rank-r passes save (RESULTS.md).
+    # On CUDA only widths whose rows-apart store runs near the contiguous rate (multiples of 512: every
+    # Llama/Qwen3 8B and Qwen2.5-7B projection): the slower store costs about what the rank-r passes save
+    # (RESULTS.md).
     return (isinstance(layer, nn.Linear) and base.is_nf4 and type(base.weight) is torch.Tensor
             and dtype in (torch.float32, torch.float16, torch.bfloat16) and not is_zero3_param(weight)
             and fast_rows_apart(base.shape[1], base.shape[1] + extra, base.weight.device))

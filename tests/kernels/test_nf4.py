@@ -98,7 +98,7 @@ def test_round_to_state_false_rounds_once_to_out_dtype(device, state_dtype, nest
             assert qs.dtype == state_dtype  # the caller's QuantState is left alone
 
 
-@pytest.mark.parametrize("min_row_tile", [2048, 256])
+@pytest.mark.parametrize("min_row_tile", [None, 2048, 256])
 @pytest.mark.parametrize("round_to_state", [True, False])
 @pytest.mark.parametrize("nested", [False, True])
 def test_rows_apart_write_only_their_columns(device, nested, round_to_state, min_row_tile, monkeypatch):
@@ -115,20 +115,22 @@ def test_rows_apart_write_only_their_columns(device, nested, round_to_state, min
                                   round_to_state=round_to_state)
             for use in (True, False):
                 monkeypatch.setattr(nf4_mod, "use_triton", lambda *t, _u=use: _u)
-                monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", min_row_tile)
+                if min_row_tile is not None:
+                    monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", min_row_tile)
                 buf = torch.full((shape[0], shape[1] + extra), float("nan"), dtype=out_dtype, device=device)
                 got = dequantize_nf4(packed, qs, out=buf[:, : shape[1]], round_to_state=round_to_state)
                 assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want), (shape, out_dtype, use)
                 assert buf[:, shape[1]:].isnan().all(), (shape, out_dtype, use)
             monkeypatch.undo()
-    # On CUDA only rows of whole row tiles count as fast (lora_widen borders those): 2,048 values until
-    # narrower tiles are timed (nf4._MIN_ROW_TILE), Llama-3.1-8B's 4,096 and 14,336; with 256, Qwen2.5-7B's
-    # 3,584 and 18,944 and Gemma 3 12B's 3,840 too.
-    monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", min_row_tile)
-    narrow = (3584, 18944, 3840)
-    for width in (4096, 14336) + narrow:
+    # On CUDA only rows of whole row tiles count as fast (lora_widen borders those): by default
+    # (nf4._MIN_ROW_TILE = 512) Llama-3.1-8B's 4,096 and 14,336 (tiles of 2,048) and Qwen2.5-7B's 3,584 and
+    # 18,944 (512), not Gemma 3 12B's 3,840 (256); at 2,048 only Llama's, at 256 all of them.
+    if min_row_tile is not None:
+        monkeypatch.setattr(nf4_mod, "_MIN_ROW_TILE", min_row_tile)
+    tiles = {4096: 2048, 14336: 2048, 3584: 512, 18944: 512, 3840: 256}
+    for width, tile in tiles.items():
         fast = nf4_mod.fast_rows_apart(width, width + 64, "cuda")
-        assert fast == (min_row_tile <= 256 or width not in narrow), width
+        assert fast == (tile >= (min_row_tile or 512)), width
     assert not nf4_mod.fast_rows_apart(1152, 1216, "cuda") and not nf4_mod.fast_rows_apart(4096, 4100, "cuda")
     assert nf4_mod.fast_rows_apart(96, 128, "cpu")
 
