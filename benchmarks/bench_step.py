@@ -44,7 +44,8 @@ fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its ow
 ``--attention-stash`` with ``FastConfig(attention_stash=True)`` on the offloading stacks (the attention
 core's saved tensors in host memory instead of recomputed; its counters follow the row), ``--mlp-stash``
 with ``FastConfig(mlp_stash=True)`` (the same for each layer's MLP; the link rate and layer time the stash
-measured follow the row),
+measured follow the row), ``--o-proj-stash on|off`` with ``FastConfig(o_proj_stash=True|False)`` (``off``: each
+offloaded layer's o_proj multiplied again in the recompute instead of taking its output back from the host),
 ``--no-grad-forward`` with ``FastConfig(checkpoint_no_grad_forward=True)`` (the checkpointed layers' forward
 without autograd, on for dense families too) and ``--forward-graphs`` with that and
 ``FastConfig(checkpoint_forward_graphs=True)`` (that forward replayed from CUDA graphs); ``--backward-graphs``
@@ -235,6 +236,7 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
                                                base_dtype="fp8" if fp8 else "auto",
                                                attention_stash=args.attention_stash and mode != "recompute",
                                                mlp_stash=args.mlp_stash and mode != "recompute",
+                                               o_proj_stash={"on": True, "off": False}.get(args.o_proj_stash),
                                                memory_budget_gb=args.memory_budget_gb if mode == "auto" else None,
                                                checkpoint_no_grad_forward=True if args.no_grad_forward
                                                or args.forward_graphs or args.backward_graphs else None,
@@ -624,6 +626,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
         + (["--attention-stash"] if args.attention_stash else []) \
         + (["--mlp-stash"] if args.mlp_stash else []) \
+        + ["--o-proj-stash", args.o_proj_stash] \
         + (["--no-grad-forward"] if args.no_grad_forward else []) \
         + (["--forward-graphs"] if args.forward_graphs else []) \
         + (["--backward-graphs"] if args.backward_graphs else []) \
@@ -720,6 +723,8 @@ def parse_args(argv=None):
                    help="fasttune offload/auto stacks with FastConfig(attention_stash=True)")
     p.add_argument("--mlp-stash", action="store_true",
                    help="fasttune offload/auto stacks with FastConfig(mlp_stash=True)")
+    p.add_argument("--o-proj-stash", default="default", choices=("default", "on", "off"),
+                   help="fasttune offload/auto stacks with FastConfig(o_proj_stash=None, True or False)")
     p.add_argument("--no-grad-forward", action="store_true",
                    help="fasttune stacks with FastConfig(checkpoint_no_grad_forward=True) (on for dense families too)")
     p.add_argument("--forward-graphs", action="store_true",

@@ -16,16 +16,15 @@ Backward from dY [N, out]; W and b are frozen and get no gradient:
     dA  = dYBᵀ X                   [r, in]
     dB  = s · dYᵀ XA               [out, r]
 
-Y starts as the stock layer's own product (``F.linear(X, W, b)``, the same cuBLAS call) and
-the rank-r term is added onto it, so a fresh adapter (B = 0) gives bitwise the base layer's
-output: a DPO policy at step 0 equals its reference (adapters disabled) exactly, as in stock
-PEFT, instead of differing by GEMM rounding that the summed log-ratios amplify. In dX the
-rank-r term is written first and the big base product accumulates onto it in cuBLAS's epilogue
-(beta = 1), free in a compute-bound product.
+Y starts as the stock layer's own product (``F.linear(X, W, b)``, the same cuBLAS call) and the
+rank-r term is added onto it, so a fresh adapter (B = 0) gives bitwise the base layer's output: a
+DPO policy at step 0 equals its reference (adapters disabled) exactly, as in stock PEFT. In dX the
+rank-r term is written first and the base product accumulates onto it (cuBLAS's beta = 1).
 
 Saved for backward: X and XA (r columns) only; not Y, and never a dequantised W: an NF4 W is
 dequantised again in backward into a scratch buffer that dies with the call, unless a checkpointed
-layer's recompute just did (``kept_weights.py``). dX is skipped when x needs no gradient.
+layer's recompute just did (``kept_weights.py``). dX is skipped when x needs no gradient. A
+recompute given its forward's Y (``known_output``) saves the same and runs no product.
 
 ``lora_qkv`` runs three projections of one X as one Function: the three adapters' A matrices
 are stacked, so XA = X [A_q; A_k; A_v]ᵀ is one product and one saved [N, r_q+r_k+r_v] tensor,
@@ -37,15 +36,13 @@ FP8 bases (``BaseWeight(codes, fp8_scale=...)``, ``FastConfig.base_dtype="fp8"``
 products X Wᵀ and dY W run through ``fp8.py`` (X quantised once per group of projections that
 share it); the rank-r terms, dA and dB are computed as above, in x's dtype. Never widened.
 
-Dtypes: x is float32, float16 or bfloat16 and sets the compute dtype. A dense W must have x's
-dtype; an NF4 W is read as bitsandbytes' ``matmul_4bit`` reads it: dequantised straight to x's
-dtype in the forward (``gemm_4bit``), rounded to its QuantState dtype first for dX
-(``dequantize_4bit(...).to(dy.dtype)``), so QLoRA with an fp32 compute dtype over a bf16-loaded
-checkpoint is exact against PEFT + bitsandbytes. A and B may be x's dtype or float32 (PEFT
-upcasts adapters to float32 by default); they are used in x's dtype, as under torch.autocast,
-and their gradients come back in their own dtype. A bias is cast to x's dtype (as bitsandbytes
-does). Under an active torch.autocast, x (and a dense W of another dtype) are first cast to the
-autocast dtype, as F.linear would be.
+Dtypes: x is float32, float16 or bfloat16 and sets the compute dtype. A dense W must have x's dtype;
+an NF4 W is read as bitsandbytes' ``matmul_4bit`` reads it: dequantised straight to x's dtype in the
+forward (``gemm_4bit``), rounded to its QuantState dtype first for dX, so QLoRA with an fp32 compute
+dtype over a bf16-loaded checkpoint is exact against PEFT + bitsandbytes. A and B may be x's dtype or
+float32 (PEFT's default); they are used in x's dtype, as under torch.autocast, and their gradients
+come back in their own dtype. A bias is cast to x's dtype (as bitsandbytes does). Under an active
+torch.autocast, x (and a dense W of another dtype) are first cast to the autocast dtype.
 """
 
 from __future__ import annotations
@@ -69,17 +66,14 @@ class BaseWeight:
     FP8 codes with their row scales (``fp8.Fp8Weight``).
 
     Args:
-        weight: the dense weight, or the packed NF4 codes (``Params4bit.data``) when
-            ``quant_state`` is given.
+        weight: the dense weight, or the packed NF4 codes (``Params4bit.data``) with ``quant_state``.
         quant_state: the bitsandbytes ``QuantState`` of an NF4 weight (duck-typed), else None.
         bias: optional frozen bias [out].
         wide: a ``lora_wide.WideWeight`` whose buffer holds this dense weight, or a ``BorderedNf4``
             of these codes (then the rank-r term rides in the base product, ``lora_wide.py``), else None.
-        fp8_scale: the float32 row scales [out] when ``weight`` holds FP8 codes (uint8 or
-            float8_e4m3fn [out, in]), else None.
+        fp8_scale: the float32 row scales [out] when ``weight`` holds FP8 codes ([out, in]), else None.
 
-    Raises ValueError when the weight or bias requires grad: the fused LoRA Functions give the
-    base layer no gradient, so a trainable base weight would silently stop training.
+    Raises ValueError when the weight or bias requires grad (the fused Functions give it none).
     """
 
     __slots__ = ("weight", "quant_state", "bias", "wide", "fp8")
@@ -148,15 +142,12 @@ class BaseWeight:
                     for_grad_input: bool = False) -> torch.Tensor:
         """The full-precision weight [out, in].
 
-        Dense: the tensor itself (a cast copy when ``dtype`` differs). NF4: dequantised into
-        ``out`` (any contiguous buffer with at least ``numel`` elements; its dtype wins) or a new
-        tensor of ``dtype`` (default: the QuantState's), the way bitsandbytes' ``matmul_4bit``
-        reads it when the compute dtype differs from the QuantState's: rounded once, straight
-        to the compute dtype, for the forward product (its ``gemm_4bit``); rounded to the
-        QuantState's dtype first with ``for_grad_input`` (its backward,
-        ``dequantize_4bit(...).to(dy.dtype)``). fp32 compute over a bf16 QuantState: the exact
-        fp32 weight forward, the bf16-rounded one in dX = dY W (``nf4.py``). FP8: the dequantised
-        codes (the fused paths never need it: they multiply the codes, ``fp8.py``).
+        Dense: the tensor itself (a cast copy when ``dtype`` differs). NF4: dequantised into ``out`` (a
+        contiguous buffer of at least ``numel`` elements; its dtype wins) or a new tensor of ``dtype``
+        (default: the QuantState's) as bitsandbytes' ``matmul_4bit`` reads it: straight to the compute
+        dtype forward (``gemm_4bit``), rounded to the QuantState's dtype first with ``for_grad_input``
+        (its backward, ``dequantize_4bit(...).to(dy.dtype)``). FP8: the dequantised codes (unused by
+        the fused paths, which multiply the codes, ``fp8.py``).
         """
         if self.is_fp8:
             return self.fp8.dequantize(dtype or torch.float32)
@@ -243,9 +234,8 @@ def _scaled_(t: torch.Tensor, s: float) -> torch.Tensor:
 
 
 def cast_b(bases, adapters, dt: torch.dtype) -> list[torch.Tensor | None]:
-    """Each adapter's B in ``dt`` (None where a projection has no adapter, and for a widened group,
-    whose B goes straight into its buffer's tail): cast once in forward and saved for backward,
-    which would otherwise cast it again."""
+    """Each adapter's B in ``dt``, cast once in forward and saved for backward (None without an adapter,
+    and for a widened group, whose B goes straight into its buffer's tail)."""
     if wide_columns(bases, adapters, dt) is not None:
         return [None] * len(adapters)
     return [None if ad is None else ad[1].to(dt) for ad in adapters]
@@ -382,13 +372,16 @@ class LoRALinearFunction(torch.autograd.Function):
     """y = x Wᵀ (+ b) + s·(x Aᵀ) Bᵀ; gradients for x, A and B (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, lora_a, lora_b, base: BaseWeight, scaling: float):
+    def forward(ctx, x, lora_a, lora_b, base: BaseWeight, scaling: float, known_output=None):
         out_f, in_f = base.shape
         x2 = x.reshape(-1, in_f)
         adapters = adapters_of((lora_a, lora_b), (scaling,))
         xa, a_stacked = stacked_xa(x2, adapters)
         b_cast = cast_b((base,), adapters, x2.dtype)
-        (y,) = project(x2, (base,), adapters, xa, None, b_cast=b_cast, kept=recording_for(ctx))
+        if known_output is None:
+            (y,) = project(x2, (base,), adapters, xa, None, b_cast=b_cast, kept=recording_for(ctx))
+        else:  # a recompute whose forward's output came back from the host: no product, the same saved tensors
+            y = known_output
         # The casts are saved tensors (not ctx attributes): a checkpointed layer does not hold them
         # from its forward to its backward, its recompute makes them again.
         ctx.save_for_backward(x, xa, lora_a, lora_b, a_stacked, *b_cast)
@@ -404,14 +397,19 @@ class LoRALinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         dx, (da,), (db,) = group_backward(x2, (dy2,), xa, (base,), adapters_of((lora_a, lora_b), (ctx.scaling,)),
                                           (need[0], need[1:2], need[2:3]), None, a_stacked, [b_cast], ctx.kept)
-        return (None if dx is None else dx.view(x.shape)), da, db, None, None
+        return (None if dx is None else dx.view(x.shape)), da, db, None, None, None
 
 
-def _prepare_linear(x, base, lora_a, lora_b, scaling, bias, name="base"):
+def checked_input(x) -> tuple[torch.Tensor, bool]:
+    """x checked (a float tensor) and cast as under autocast (``autocast_input``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     check_float("x", x)
-    x, autocast = autocast_input(x)
+    return autocast_input(x)
+
+
+def _prepare_linear(x, base, lora_a, lora_b, scaling, bias, name="base"):
+    x, autocast = checked_input(x)
     base = BaseWeight.of(base)
     if bias is not None:
         if base.bias is not None:
@@ -421,24 +419,28 @@ def _prepare_linear(x, base, lora_a, lora_b, scaling, bias, name="base"):
 
 
 def lora_linear(x: torch.Tensor, base, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                scaling: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+                scaling: float, bias: torch.Tensor | None = None,
+                known_output: torch.Tensor | None = None) -> torch.Tensor:
     """A LoRA linear layer ``x Wᵀ (+ bias) + scaling·(x Aᵀ) Bᵀ`` with a hand-written backward.
 
     Args:
         x: input [..., in], float32/float16/bfloat16.
         base: the frozen weight: a dense [out, in] tensor, an NF4 ``(packed, quant_state)`` pair,
             or a ``BaseWeight`` (which may carry the bias).
-        lora_a: A [r, in] (x's dtype or float32), or None for no adapter.
-        lora_b: B [out, r], same dtype as A, or None.
-        scaling: the adapter's scale (PEFT's ``scaling[adapter]``).
-        bias: optional frozen bias [out].
+        lora_a, lora_b: A [r, in] and B [out, r], both x's dtype or float32, or both None (no adapter).
+        scaling: the adapter's scale (PEFT's ``scaling[adapter]``); bias: optional frozen bias [out].
+        known_output: this call's output computed before (a recompute whose forward's output was kept,
+            ``model_patches/output_stash.py``): returned, no product run, the same tensors saved.
 
     Returns:
         [..., out] in x's dtype (the autocast dtype under torch.autocast). Gradients flow to x,
         lora_a and lora_b; the base weight and bias must not require grad.
     """
     x, base, a, b, s = _prepare_linear(x, base, lora_a, lora_b, scaling, bias)
-    return LoRALinearFunction.apply(x, a, b, base, s)
+    shape = (*x.shape[:-1], base.shape[0])
+    if known_output is not None and (known_output.shape != shape or known_output.dtype != x.dtype):
+        raise ValueError(f"known_output must be this call's output, {shape} in {x.dtype}")
+    return LoRALinearFunction.apply(x, a, b, base, s, known_output)
 
 
 lora_o = lora_linear
@@ -489,10 +491,7 @@ def lora_qkv(x: torch.Tensor, q, k, v):
     Returns:
         (Q, K, V), each [..., out_p] in x's dtype.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    check_float("x", x)
-    x, autocast = autocast_input(x)
+    x, autocast = checked_input(x)
     specs = [check_projection(name, spec, x, autocast) for name, spec in (("q", q), ("k", k), ("v", v))]
     bases = tuple(sp[0] for sp in specs)
     scalings = tuple(sp[3] for sp in specs)

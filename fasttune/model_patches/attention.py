@@ -164,7 +164,7 @@ class FastAttentionForward(PatchedForward):
             # By name: Qwen2-VL's attention takes (hidden_states, attention_mask, position_ids, ...).
             return self.stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                               **kwargs)
-        stash = attention_stash.current()
+        stash = attention_stash.current(attention_stash.ATTENTION)
         if stash is not None and self._stashable(m, cache):
             core_bytes = 4 * hidden_states.numel() * hidden_states.element_size()  # x, q, k+v, output (≤ hidden each)
             attn_output, attn_weights = stash.run(

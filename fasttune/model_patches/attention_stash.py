@@ -64,14 +64,17 @@ STORAGE_SLACK = 2  # a saved view's whole storage is copied when it is at most t
 HOST_SHARE = 0.5  # of the memory available to the process when a forward starts stashing
 
 ATTENTION, EXPERTS, MLP = "attention", "experts", "mlp"  # the kinds of core (``StashChain.kinds``)
-FETCHED_A_LAYER_AHEAD = (EXPERTS, MLP)  # cores whose output nobody reads: their blocks come back one layer early
+OUTPUT = "o_proj"  # not a core: the attention's output projection keeps its output only (``output_stash.py``)
+FETCHED_A_LAYER_AHEAD = (EXPERTS, MLP, OUTPUT)  # their blocks come back one layer early
 
 _CURRENT = contextvars.ContextVar("fasttune_attention_stash", default=None)
 
 
-def current() -> "LayerStash | None":
-    """The stash of the checkpointed layer call running now (forward or recompute), or None."""
-    return _CURRENT.get()
+def current(kind: str | None = None) -> "LayerStash | None":
+    """The stash of the checkpointed layer call running now (forward or recompute), or None; with ``kind``,
+    None too unless that kind of core goes to the host (a caller then skips what only a stash needs)."""
+    stash = _CURRENT.get()
+    return stash if stash is None or kind is None or kind in stash.chain.kinds else None
 
 
 def available_host_bytes() -> int | None:
@@ -100,6 +103,7 @@ class StashStats:
         cores_link_busy: cores run and recomputed as usual because the host link was behind (or, once
             measured, its budget for this forward was spent: ``stash_link.LinkBudget``).
         blocks: host copies made; bytes: their size.
+        outputs_kept, outputs_reused: o_proj outputs sent to the host, and recomputes that took one back.
     """
 
     cores_stashed: int = 0
@@ -108,6 +112,8 @@ class StashStats:
     cores_link_busy: int = 0
     blocks: int = 0
     bytes: int = 0
+    outputs_kept: int = 0
+    outputs_reused: int = 0
 
 
 class StashChain:
@@ -117,7 +123,8 @@ class StashChain:
     def __init__(self, checkpointer: OffloadedCheckpointer, budget_bytes: int | None = None,
                  kinds: tuple[str, ...] = (ATTENTION,)):
         self.checkpointer = checkpointer
-        self.kinds = frozenset(kinds)  # the cores that go to the host: ATTENTION, EXPERTS and/or MLP
+        self.kinds = frozenset(kinds)  # the cores that go to the host: ATTENTION, EXPERTS, MLP and/or OUTPUT
+        self.quantized_outputs = False  # OUTPUT over NF4/FP8 bases too (``output_stash.py``)
         self.fixed_budget = budget_bytes  # tests pin it; None: measured when the stash is empty
         self.budget: int | None = None
         self.stats = StashStats()
@@ -384,9 +391,7 @@ class LayerStash:
             with StashHooks(self, saved_all):
                 out, extra = core()
             ref = UnusedOutput(out) if output_unused else self.ref(out, force=True)
-            pending = list(self._by_address.values())
-            for block, packed in zip(pending, self.chain.send([b.flat for b in pending])):
-                block.packed, block.flat = packed, None
+            self._send_pending()
         finally:
             self._alive = None
             self._by_address = {}
@@ -398,6 +403,22 @@ class LayerStash:
         self.grad[key] = out.requires_grad
         self.chain.stats.cores_stashed += 1
         return out, extra
+
+    def _send_pending(self) -> None:
+        pending = list(self._by_address.values())
+        for block, packed in zip(pending, self.chain.send([b.flat for b in pending])):
+            block.packed, block.flat = packed, None
+
+    def keep(self, out: torch.Tensor, kind: str) -> "StashedRef | None":
+        """Send ``out`` alone to the host (what made it saves through the checkpoint as usual); its ref, or
+        None when its memory cannot be copied flat."""
+        self._alive, self._by_address, self._kind = [], {}, kind
+        try:
+            ref = self.ref(out, force=True)
+            self._send_pending()
+        finally:
+            self._alive, self._by_address = None, {}
+        return ref
 
     def ref(self, t: torch.Tensor, force: bool = False, saved_all: bool = False):
         """A ``StashedRef`` for ``t`` when it goes to the host (``force``: whatever its kind;
@@ -464,5 +485,5 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
         return saved.get() if isinstance(saved, StashedRef) else saved
 
 
-__all__ = ["ATTENTION", "EXPERTS", "MLP", "LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef",
+__all__ = ["ATTENTION", "EXPERTS", "MLP", "OUTPUT", "LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef",
            "UnusedOutput", "available_host_bytes", "current"]

@@ -57,7 +57,7 @@ from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
 from ..kernels.kept_weights import KeptWeights
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
-from .attention_stash import ATTENTION, EXPERTS, MLP, StashChain
+from .attention_stash import ATTENTION, EXPERTS, MLP, OUTPUT, StashChain
 from .layer_call import ForwardThenRecompute
 from . import no_grad_forward
 from .offload import OffloadedCheckpointer
@@ -218,7 +218,7 @@ class LayerCheckpointing:
         mode: "recompute", "offload" or "auto".
         n_layers: decoder layers wrapped.
         checkpointer: the ``OffloadedCheckpointer`` (offload and auto).
-        stash: the ``StashChain`` of the config's attention/experts/mlp stashes (offload and auto), else None.
+        stash: the ``StashChain`` of the config's attention/experts/mlp/o_proj stashes (offload and auto), else None.
         policy: the ``AutoPolicy`` (auto only).
         resident: layers [0, resident) run resident in the current forward (auto).
     """
@@ -229,14 +229,17 @@ class LayerCheckpointing:
         self.base = base
         self.n_layers = n_layers
         self.checkpointer = OffloadedCheckpointer() if mode in ("offload", "auto") else None
+        ngf = config.checkpoint_no_grad_forward  # None: on for MoE (host-bound), under forward graphs (replayed)
+        self.no_grad_forward = (moe or config.checkpoint_forward_graphs) if ngf is None else ngf
+        o_proj = not self.no_grad_forward if config.o_proj_stash is None else config.o_proj_stash
         kinds = tuple(k for k, on in ((ATTENTION, config.attention_stash), (EXPERTS, config.experts_stash),
-                                      (MLP, config.mlp_stash)) if on)
+                                      (MLP, config.mlp_stash), (OUTPUT, o_proj)) if on)
         self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
+        if self.stash is not None:
+            self.stash.quantized_outputs = config.o_proj_stash is True  # default: dense bases only (output_stash.py)
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
         self.keep_nf4 = config.keep_recomputed_nf4
-        ngf = config.checkpoint_no_grad_forward  # None: on for MoE (host-bound), under forward graphs (replayed)
-        self.no_grad_forward = (moe or config.checkpoint_forward_graphs) if ngf is None else ngf
         self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
         self.graphs = no_grad_forward.forward_graphs(config)  # those forwards from CUDA graphs, or None
         self._hf_flags, self._warned = [], False

@@ -57,6 +57,7 @@ from .instance import autograd_on, stock_is_faster
 from .lora_specs import lora_spec
 from .lora_widen import Unwiden, widen_group
 from .mlp import check_mlp, config_activation, mlp_forward
+from .output_stash import projection_output
 from .module_attr import base_layer_of, module_attr
 from .report import FUSED, PatchReport
 from .zero3 import is_zero3_param, only_zero3_hooks
@@ -263,7 +264,8 @@ class LoRAQKVHook(_Hook):
 
 
 class LoRAOHook(_Hook):
-    """``project_o`` through ``lora_linear``."""
+    """``project_o`` through ``lora_linear``; in an offloaded layer with the o_proj stash on, its recompute
+    takes the forward's output back from the host instead of multiplying again (``output_stash.py``)."""
 
     op = OP_O
 
@@ -276,7 +278,11 @@ class LoRAOHook(_Hook):
         if isinstance(specs, str):
             return self.previous(module, attn_output)
         self.count_fp8(specs, attn_output)
-        return lora_linear(attn_output, *specs[0])
+        spec = specs[0]
+        nbytes = attn_output.numel() // attn_output.shape[-1] * spec[0].shape[0] * compute_dtype(attn_output).itemsize
+        return projection_output(lambda: lora_linear(attn_output, *spec),
+                                 lambda y: lora_linear(attn_output, *spec, known_output=y), nbytes, attn_output.device,
+                                 quantized=spec[0].is_nf4 or spec[0].is_fp8)
 
 
 class LoRAMLPHook(_Hook):

@@ -99,7 +99,7 @@ class FastMLPForward(PatchedForward):
             if self.activation is not None:
                 self.count("other arguments than one tensor" if x is None else DECODE_STEP)
             return self.stock(*args, **kwargs)
-        stash = attention_stash.current() if self.layer_mlp else None
+        stash = attention_stash.current(attention_stash.MLP) if self.layer_mlp else None
         if stash is not None and torch.is_grad_enabled() and not self._dropout_inside():
             # What the core saves: its input and the gate/up products (the fused path's; about so otherwise).
             core_bytes = (x.numel() + 2 * x.numel() // x.shape[-1] * self._width()) * x.element_size()

@@ -277,7 +277,7 @@ class FastExpertsForward(PatchedForward):
             return grouped_mlp(x, index, weights, specs[0], specs[1], self.glu,
                                output_unused=self.skip_unused and recomputing()), None
 
-        stash = attention_stash.current()
+        stash = attention_stash.current(attention_stash.EXPERTS)
         if stash is None or not torch.is_grad_enabled():
             return core()[0]
         # What the grouped Function saves: its gate/up product [T·k, 2I] and its input.
