@@ -17,7 +17,7 @@ from fasttune.config import FastConfig
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.checkpointing import layer_checkpointing
 from fasttune.model_patches.mlp import FastMLPForward
-from helpers.stash_steps import MEASURING_STEPS, assert_bitwise, seeded_step
+from helpers.stash_steps import MEASURING_STEPS, assert_bitwise, seeded_step, steps_with_the_budget_forced_open
 from helpers.tiny_models import make_batch, tiny_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -168,19 +168,11 @@ def test_cuda_bitwise_equal_with_copies_on_their_stream_and_originals_let_go_in_
     chain = _stashed(model, attention_stash=True)
     ref = seeded_step(reference, batch)
     layers = model.config.num_hidden_layers
-    reserved = []
-    for step in range(MEASURING_STEPS + 3):
-        assert_bitwise(seeded_step(model, batch), ref)
-        assert len(chain.held) == 0
-        torch.cuda.synchronize()
-        reserved.append(torch.cuda.memory_reserved())
-        if step == MEASURING_STEPS - 1:
-            stats = chain.stats
-            assert stats.cores_stashed == 0 and stats.cores_link_busy == MEASURING_STEPS * 2 * layers, stats
-            model(**batch)  # a further forward reads what the last step measured
-            assert chain.link.measured and chain.link.rate > 1e9 and chain.link.layer_s > 0, vars(chain.link)
-            chain.link.admits = lambda nbytes: True
-    assert reserved[-1] <= reserved[MEASURING_STEPS + 1], reserved
+
+    def measured(stats):
+        assert stats.cores_stashed == 0 and stats.cores_link_busy == MEASURING_STEPS * 2 * layers, stats
+
+    steps_with_the_budget_forced_open(model, chain, batch, ref, measured)
     state = layer_checkpointing(model)
     assert state.checkpointer.pool.pin and chain.host_bytes == 0
     assert chain.stats.cores_stashed >= 3 * 2 * layers, chain.stats

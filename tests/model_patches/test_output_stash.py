@@ -16,7 +16,7 @@ from fasttune.kernels.lora import lora_linear
 from fasttune.model_patches import patch_model
 from fasttune.model_patches.attention_stash import OUTPUT
 from fasttune.model_patches.checkpointing import layer_checkpointing
-from helpers.stash_steps import MEASURING_STEPS, assert_bitwise, seeded_step
+from helpers.stash_steps import assert_bitwise, seeded_step, steps_with_the_budget_forced_open
 from helpers.tiny_models import make_batch, tiny_model
 
 from .test_lora import lora_model
@@ -176,17 +176,10 @@ def test_cuda_bitwise_equal_with_the_outputs_sent_and_taken_back(deterministic, 
     chain = layer_checkpointing(model).stash
     ref = seeded_step(reference, batch)
     layers = model.config.num_hidden_layers
-    reserved = []
-    for step in range(MEASURING_STEPS + 3):
-        assert_bitwise(seeded_step(model, batch), ref)
-        assert len(chain.held) == 0
-        torch.cuda.synchronize()
-        reserved.append(torch.cuda.memory_reserved())
-        if step == MEASURING_STEPS - 1:
-            assert chain.stats.outputs_kept == 0, chain.stats
-            model(**batch)  # a further forward reads what the last step measured
-            assert chain.link.measured, vars(chain.link)
-            chain.link.admits = lambda nbytes: True
-    assert reserved[-1] <= reserved[MEASURING_STEPS + 1], reserved
+
+    def measured(stats):
+        assert stats.outputs_kept == 0, stats
+
+    steps_with_the_budget_forced_open(model, chain, batch, ref, measured)
     assert chain.stats.outputs_kept >= 3 * layers and chain.stats.outputs_reused == 3 * layers, chain.stats
     assert chain.host_bytes == 0

@@ -25,3 +25,23 @@ def assert_bitwise(got, ref):
     assert got[1].keys() == ref[1].keys() and got[1]
     bad = [n for n in ref[1] if not torch.equal(got[1][n], ref[1][n])]
     assert not bad, f"gradients differ bitwise: {bad[:4]}"
+
+
+def steps_with_the_budget_forced_open(model, chain, batch, ref, measured=None, forced_steps: int = 3) -> None:
+    """CUDA: ``MEASURING_STEPS`` steps, then ``forced_steps`` with the link budget forced open (every core or output
+    goes: the most copies in flight, originals held). Each step equals ``ref`` bitwise and leaves nothing held, and
+    the reserve does not grow from step to step. ``measured(stats)``: checks of the chain's counters after the
+    measuring steps (which stash nothing)."""
+    reserved = []
+    for step in range(MEASURING_STEPS + forced_steps):
+        assert_bitwise(seeded_step(model, batch), ref)
+        assert len(chain.held) == 0
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+        if step == MEASURING_STEPS - 1:
+            if measured is not None:
+                measured(chain.stats)
+            model(**batch)  # a further forward reads what the last step measured
+            assert chain.link.measured and chain.link.rate > 1e9 and chain.link.layer_s > 0, vars(chain.link)
+            chain.link.admits = lambda nbytes: True
+    assert reserved[-1] <= reserved[MEASURING_STEPS + 1], reserved
