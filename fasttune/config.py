@@ -138,7 +138,7 @@ class FastConfig:
                 "copies its output to pinned host memory (64 MiB per layer per 8k tokens of an 8B model) and the "
                 "recompute takes it back instead of multiplying again, as far as the host link keeps pace "
                 "(measured on the first two steps, as for the other stashes). Exact. 8B bf16 step on an H100: "
-                "+1.1-1.3% tok/s, +0.06 GiB peak. None (default): on over dense bases where the layers record "
+                "+0.9-1.3% tok/s, +0.06 GiB peak. None (default): on over dense bases where the layers record "
                 "their forward (dense families); off over NF4/FP8 bases (the 8B NF4 step ran 2% slower with it) "
                 "and where the forward runs without autograd (checkpoint_no_grad_forward: mixture-of-experts "
                 "families by default). True: every fused o_proj of an offloaded layer."})
