@@ -114,7 +114,7 @@ class FastConfig:
     attention_stash: bool = field(default=False, metadata={
         "help": "With checkpointing 'offload' or 'auto': the attention core of each offloaded decoder layer "
                 "(q/k/v projections through the attention output) keeps what it saves for backward in pinned "
-                "host memory instead of being recomputed (about 0.2 GiB of host memory per layer per 8k tokens "
+                "host memory instead of being recomputed (about 0.16 GiB of host memory per layer per 8k tokens "
                 "of an 8B model, within half the host's available memory; further layers are recomputed). "
                 "Exact: gradients equal those of a run without checkpointing."})
     experts_stash: bool = field(default=False, metadata={

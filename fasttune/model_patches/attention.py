@@ -166,12 +166,27 @@ class FastAttentionForward(PatchedForward):
                               **kwargs)
         stash = attention_stash.current(attention_stash.ATTENTION)
         if stash is not None and self._stashable(m, cache):
-            core_bytes = 4 * hidden_states.numel() * hidden_states.element_size()  # x, q, k+v, output (≤ hidden each)
             attn_output, attn_weights = stash.run(
-                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs), core_bytes, m)
+                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs),
+                self._stash_bytes(m, hidden_states), m, core_input=hidden_states)
         else:
             attn_output, attn_weights = self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs)
         return output_dropout(m, self.project_o(m, attn_output), self.output_dropout_attr), attn_weights
+
+    def _stash_bytes(self, m: nn.Module, hidden_states: torch.Tensor) -> int:
+        """What a stashed core copies (the link budget charges it): q (with its gate) and the attention output,
+        heads·head_dim wide each, k and v, kv heads·head_dim each, q and k again before q/k norms; not the
+        projections' input (the recompute makes it). Three hidden widths where the module does not say its heads."""
+        config, tokens = m.config, hidden_states.numel() // hidden_states.shape[-1]
+        heads, head_dim = getattr(config, "num_attention_heads", None), getattr(m, "head_dim", None)
+        if isinstance(heads, int) and isinstance(head_dim, int):
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            width = (3 if self.output_gate else 2) * heads * head_dim + 2 * kv_heads * head_dim
+            if self.qk_norm is not None:  # each norm saves its input
+                width += (heads + kv_heads) * head_dim
+        else:
+            width = 3 * hidden_states.shape[-1]
+        return tokens * width * hidden_states.element_size()
 
     @staticmethod
     def _stashable(m: nn.Module, cache) -> bool:

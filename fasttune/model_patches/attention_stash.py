@@ -7,13 +7,15 @@ five hidden-sized tensors, which the host link can move while the GPU computes. 
 ``FastConfig.attention_stash``:
 
 - forward: the core runs under saved-tensor hooks of its own, nested inside the checkpoint's. What
-  its autograd nodes save (the projections' input and rank-r products, q/k/v as the attention takes
-  them, the attention output) is copied to pinned host memory on the offload side stream, from the
-  checkpointer's pool, all of a core's copies queued together when it ends, and so is the core's
-  output (usually the same memory as the saved attention output: one copy serves both). The
-  checkpoint never sees those tensors.
-- recompute: the core is skipped; its output comes back from the host. The checkpoint's count of
-  saved tensors still matches, since the core saved nothing through the checkpoint in either pass.
+  its autograd nodes save (the rank-r products, q/k/v as the attention takes them, the attention
+  output) is copied to pinned host memory on the offload side stream, from the checkpointer's pool,
+  all of a core's copies queued together when it ends, and so is the core's output (usually the same
+  memory as the saved attention output: one copy serves both). The core's input (the norm's output
+  the projections save) is not copied: the recompute makes it again before it reaches the core
+  (``stash_blocks.RecomputedInput``). The checkpoint never sees those tensors.
+- recompute: the core is skipped; its output comes back from the host, its input is handed to its
+  nodes. The checkpoint's count of saved tensors still matches, since the core saved nothing through
+  the checkpoint in either pass.
 - backward: the core's own nodes from the forward run on the tensors brought back. When layer i's
   recompute takes its output back, the copies of layer i's saved tensors and of layer i-1's output
   start, so they overlap the MLP's recompute and backward.
@@ -24,8 +26,7 @@ tensors that are not activations in the graph (frozen weights, cos/sin, masks, a
 anything that does not require grad or is a leaf), views of parameters (full fine-tuning), small
 ones (< 1 MiB) and ones whose memory has gaps.
 
-Host memory: about 0.2 GiB per layer at 8,192 tokens of an 8B model (q, k, v, the attention output,
-the projections' input). A core that would take the stash past its budget (half the host memory
+Host memory: about 0.16 GiB per layer at 8,192 tokens of an 8B model (q, k, v, the attention output). A core that would take the stash past its budget (half the host memory
 available when a forward's stash was empty, plus the pool's free pinned buffers) is recomputed as
 usual, and the forward's first such layer is logged. The link is a budget too, in GPU time (``stash_link.py``): a
 core goes only while the link, at the rate measured on the run, keeps pace with the forward; the
@@ -55,6 +56,7 @@ from typing import Callable
 import torch
 
 from .offload import OffloadedCheckpointer
+from .stash_blocks import InputUse, RecomputedInput, StashedBlock, StashedRef, UnusedOutput, view_of
 from .stash_link import HeldOriginals, LinkBudget
 
 logger = logging.getLogger("fasttune")
@@ -104,6 +106,7 @@ class StashStats:
             measured, its budget for this forward was spent: ``stash_link.LinkBudget``).
         blocks: host copies made; bytes: their size.
         outputs_kept, outputs_reused: o_proj outputs sent to the host, and recomputes that took one back.
+        inputs_recomputed: stashed cores whose input was not copied (the recompute hands it back).
     """
 
     cores_stashed: int = 0
@@ -114,6 +117,7 @@ class StashStats:
     bytes: int = 0
     outputs_kept: int = 0
     outputs_reused: int = 0
+    inputs_recomputed: int = 0
 
 
 class StashChain:
@@ -210,75 +214,6 @@ class StashChain:
             self.host_bytes += nbytes
 
 
-class StashedBlock:
-    """A flat run of device memory copied to the host; taken back once per use recorded.
-
-    The device copy is kept between the takes of one backward (the core's output and the saved
-    attention output are one block) and dropped at the last; a second backward takes it again.
-    """
-
-    __slots__ = ("chain", "kind", "flat", "packed", "nbytes", "uses", "left", "__weakref__")
-
-    def __init__(self, chain: StashChain, flat: torch.Tensor, kind: str = ATTENTION):
-        self.chain = chain
-        self.kind = kind  # of the core that made it
-        self.flat = flat  # uint8 device memory, until the core's copies start together (``LayerStash.run``)
-        self.packed = None
-        self.nbytes = flat.numel()
-        self.uses = self.left = 0
-        chain._count(self.nbytes)
-        chain.stats.blocks += 1
-        chain.stats.bytes += self.nbytes
-
-    def __del__(self):
-        chain = getattr(self, "chain", None)
-        if chain is not None:
-            chain._count(-self.nbytes)
-
-    def add_use(self) -> None:
-        self.uses += 1
-        self.left += 1
-
-    def prefetch(self) -> None:
-        self.chain.checkpointer.fetch_ahead(self.packed)
-
-    def take(self) -> torch.Tensor:
-        self.left -= 1
-        keep = self.left > 0
-        if not keep:
-            self.left = self.uses
-        return self.chain.checkpointer.take(self.packed, keep=keep)
-
-
-class UnusedOutput:
-    """A stashed core's output nobody reads (it only enters the residual sum): nothing is copied; the
-    recompute gets NaNs of its shape, so that a use of them could not go unnoticed."""
-
-    __slots__ = ("shape", "dtype", "device")
-
-    def __init__(self, t: torch.Tensor):
-        self.shape, self.dtype, self.device = tuple(t.shape), t.dtype, t.device
-
-    def get(self) -> torch.Tensor:
-        return torch.full(self.shape, float("nan"), dtype=self.dtype, device=self.device)
-
-
-class StashedRef:
-    """One saved tensor: its block (bytes) and where it sits in it (in elements of its dtype)."""
-
-    __slots__ = ("block", "dtype", "shape", "stride", "offset")
-
-    def __init__(self, block: StashedBlock, dtype: torch.dtype, shape, stride, offset: int):
-        self.block, self.dtype, self.shape, self.stride, self.offset = block, dtype, shape, stride, offset
-        block.add_use()
-
-    def get(self) -> torch.Tensor:
-        raw = self.block.take()
-        size = self.dtype.itemsize
-        flat = raw[: raw.numel() - raw.numel() % size].view(self.dtype)  # the storage may end mid-element
-        return flat.as_strided(self.shape, self.stride, self.offset)
-
-
 def _device(module: torch.nn.Module) -> torch.device | None:
     """Where the core runs: its module's first parameter's device (None without parameters)."""
     p = next(module.parameters(), None)
@@ -320,6 +255,7 @@ class LayerStash:
         # per (kind, call): its output's ref (or UnusedOutput), or None (run as usual); its output required grad
         self.plan: dict[tuple[str, int], StashedRef | UnusedOutput | None] = {}
         self.grad: dict[tuple[str, int], bool] = {}
+        self.inputs: dict[tuple[str, int], RecomputedInput] = {}  # per (kind, call): its input, if it saved it
         self.blocks: list[StashedBlock] = []  # of every core of the layer call
         # This core's blocks by memory address: valid while the core runs only (its tensors are held
         # alive meanwhile); a later core may get the same addresses for other tensors.
@@ -327,6 +263,8 @@ class LayerStash:
         self._alive: list[torch.Tensor] | None = None
         self._kind = ATTENTION  # of the core running now
         self._params: tuple = ()  # the core's module's parameters (their memory is not stashed)
+        self._input_tensor: torch.Tensor | None = None  # the running core's input, when its recompute makes it
+        self._input: RecomputedInput | None = None
 
     def begin(self, recompute: bool) -> contextvars.Token:
         """Enter a pass of the layer call (its forward or a recompute). A recompute starts fetching
@@ -351,7 +289,7 @@ class LayerStash:
         _CURRENT.reset(token)
 
     def run(self, core: Callable[[], tuple], core_bytes: int, module: torch.nn.Module, kind: str = ATTENTION, *,
-            saved_all: bool = False, output_unused: bool = False):
+            saved_all: bool = False, output_unused: bool = False, core_input: torch.Tensor | None = None):
         """Run ``core`` (returns (output, extra)) stashed, as usual, or not at all (a recompute
         whose core was stashed: the output comes back from the host, extra is None).
 
@@ -359,7 +297,11 @@ class LayerStash:
         the core uses (their views stay where they are); ``kind``: ATTENTION or EXPERTS, stashed
         when the chain's kinds hold it; ``saved_all``: every large saved tensor that is not a
         parameter goes to the host, whether it requires grad or not (a custom Function's
-        intermediates); ``output_unused``: the recompute's output is thrown away (NaNs then)."""
+        intermediates); ``output_unused``: the recompute's output is thrown away (NaNs then);
+        ``core_input``: the core's input, passed in both passes, where the recompute makes it before it reaches
+        the core (something later in the layer saves through the checkpoint, so an early-stopping recompute
+        gets there): a saved tensor that is exactly this input is not copied (``RecomputedInput``) and
+        ``core_bytes`` should not count it."""
         index = self.calls.get(kind, 0)
         self.calls[kind] = index + 1
         key = (kind, index)
@@ -367,6 +309,11 @@ class LayerStash:
             ref = self.plan.get(key)
             if ref is None:
                 return core()
+            if key in self.inputs:
+                if core_input is None:
+                    raise RuntimeError(f"attention stash: the recompute of a {kind} core saved with its input "
+                                       "passed none")
+                self.inputs[key].set(core_input)
             out = ref.get()
             if self.grad[key]:  # as in forward, so what follows saves the same tensors (linear saves W for dX)
                 out = out.detach().requires_grad_()
@@ -387,15 +334,20 @@ class LayerStash:
         self._alive = []
         self._by_address = {}
         self._kind = kind
+        self._input_tensor, self._input = (None if core_input is None else core_input.detach()), None
         try:
             with StashHooks(self, saved_all):
                 out, extra = core()
             ref = UnusedOutput(out) if output_unused else self.ref(out, force=True)
             self._send_pending()
+            if self._input is not None:
+                self.inputs[key] = self._input
+                self.chain.stats.inputs_recomputed += 1
         finally:
             self._alive = None
             self._by_address = {}
             self._params = ()
+            self._input_tensor, self._input = None, None
         if ref is None:  # the core's output is a plain contiguous tensor (attention.py); anything else is a bug
             raise RuntimeError(f"attention stash: the core's output {type(out).__name__} {tuple(out.stride())} "
                                "cannot be copied flat")
@@ -422,7 +374,8 @@ class LayerStash:
 
     def ref(self, t: torch.Tensor, force: bool = False, saved_all: bool = False):
         """A ``StashedRef`` for ``t`` when it goes to the host (``force``: whatever its kind;
-        ``saved_all``: large and not a parameter's memory, whether it requires grad or not), else None.
+        ``saved_all``: large and not a parameter's memory, whether it requires grad or not), an ``InputUse``
+        when it is the running core's input (or its view: the recompute hands it back), else None.
 
         A block is the tensor's whole storage, shared by every saved view of it (q, k and v are
         column slices of one fused product: one copy), unless the storage is much larger than the
@@ -431,6 +384,10 @@ class LayerStash:
             return None  # tensor subclasses (DTensor, quantised weights) stay as they are
         if any(s < 0 for s in t.stride()) or t.numel() == 0:
             return None
+        if not force and view_of(t, self._input_tensor):  # the recompute makes it again: nothing to copy
+            if self._input is None:
+                self._input = RecomputedInput()
+            return self._input.use(t.shape)
         nbytes = t.numel() * t.element_size()
         if not force:
             if nbytes < self.chain.min_bytes or (not saved_all and (not t.requires_grad or t.is_leaf)):
@@ -482,8 +439,9 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
 
     @staticmethod
     def _unpack(saved):
-        return saved.get() if isinstance(saved, StashedRef) else saved
+        return saved.get() if isinstance(saved, (StashedRef, InputUse)) else saved
 
 
-__all__ = ["ATTENTION", "EXPERTS", "MLP", "OUTPUT", "LayerStash", "StashChain", "StashHooks", "StashStats", "StashedBlock", "StashedRef",
+__all__ = ["ATTENTION", "EXPERTS", "MLP", "OUTPUT", "LayerStash", "RecomputedInput", "StashChain", "StashHooks", "StashStats",
+           "StashedBlock", "StashedRef",
            "UnusedOutput", "available_host_bytes", "current"]

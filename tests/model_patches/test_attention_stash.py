@@ -54,6 +54,7 @@ def test_bitwise_equal_to_no_checkpointing_and_the_core_is_not_recomputed(model_
     assert_bitwise(got, ref)
     layers = model.config.num_hidden_layers
     assert chain.stats.cores_stashed == layers and chain.stats.cores_skipped == layers, chain.stats
+    assert chain.stats.inputs_recomputed == layers, "the projections' input was copied, not recomputed"
     assert chain.stats.blocks > layers  # the saved tensors went too, not only the core's output
 
 
@@ -191,7 +192,27 @@ def test_cuda_bitwise_equal_with_pinned_copies_on_the_side_stream(deterministic,
     state = layer_checkpointing(model)
     assert state.checkpointer.pool.pin and chain.host_bytes == 0
     stats, layers = chain.stats, model.config.num_hidden_layers
-    assert stats.cores_stashed == stats.cores_skipped == 2 * layers, stats
+    assert stats.cores_stashed == stats.cores_skipped == stats.inputs_recomputed == 2 * layers, stats
     assert stats.cores_link_busy == MEASURING_STEPS * layers, stats
     # Each step's first recompute (the last layer) takes its core's output on the spot; the rest was fetched ahead.
     assert state.checkpointer.stats.misses <= 2 * 2, state.checkpointer.stats
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "olmo2"])
+def test_the_link_budget_is_charged_what_a_core_copies(model_type, monkeypatch):
+    """The link budget admits a core by its estimated bytes (``FastAttentionForward._stash_bytes``): exactly what
+    its saved tensors then move (full fine-tuning: no rank-r products; q/k norms' inputs for Qwen3 and OLMo2);
+    the projections' input is not among them (the recompute makes it)."""
+    from fasttune.model_patches import attention
+
+    charged = []
+    real = attention.FastAttentionForward._stash_bytes
+    monkeypatch.setattr(attention.FastAttentionForward, "_stash_bytes",
+                        lambda self, m, h: charged.append(real(self, m, h)) or charged[-1])
+    model = _model(model_type, lora=False)
+    chain = _stashed(model)
+    chain.min_bytes = 1
+    seeded_step(model, make_batch(model.config.vocab_size, seed=6))
+    stats, layers = chain.stats, model.config.num_hidden_layers
+    assert stats.cores_stashed == stats.inputs_recomputed == layers
+    assert stats.bytes == sum(charged[:layers]) > 0, (stats, charged)
