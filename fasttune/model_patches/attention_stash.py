@@ -26,14 +26,15 @@ tensors that are not activations in the graph (frozen weights, cos/sin, masks, a
 anything that does not require grad or is a leaf), views of parameters (full fine-tuning), small
 ones (< 1 MiB) and ones whose memory has gaps.
 
-Host memory: about 0.16 GiB per layer at 8,192 tokens of an 8B model (q, k, v, the attention output). A core that would take the stash past its budget (half the host memory
-available when a forward's stash was empty, plus the pool's free pinned buffers) is recomputed as
-usual, and the forward's first such layer is logged. The link is a budget too, in GPU time (``stash_link.py``): a
-core goes only while the link, at the rate measured on the run, keeps pace with the forward; the
-others are recomputed as usual. The cores' copies run on a stream of their own, and the device memory
-they read is let go in stream order a few layers later (no ``record_stream``). Not stashed: eager attention (it saves the
-[S, S] probabilities), attention dropout in training (skipping the core would shift the RNG for
-what follows), a KV cache, a core called more than once in one layer call (the first call is).
+Host memory: about 0.16 GiB per layer at 8,192 tokens of an 8B model (q, k, v, the attention output). A core
+that would take the stash past its budget (half the host memory available when a forward's stash was empty,
+plus the pool's free pinned buffers) is recomputed as usual, and the forward's first such layer is logged.
+The link is a budget too, in GPU time (``stash_link.py``): a core goes only while the link, at the rate
+measured on the run, keeps pace with the forward; the others are recomputed as usual. The cores' copies run
+on a stream of their own, and the device memory they read is let go in stream order a few layers later (no
+``record_stream``). Not stashed: eager attention (it saves the [S, S] probabilities), attention dropout in
+training (skipping the core would shift the RNG for what follows), a KV cache, a core called more than once
+in one layer call (the first call is).
 
 The routed experts of a mixture-of-experts layer are a core of the same kind
 (``FastConfig.experts_stash``, ``moe.py``): the grouped expert Function saves its gate/up product
@@ -442,6 +443,5 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
         return saved.get() if isinstance(saved, (StashedRef, InputUse)) else saved
 
 
-__all__ = ["ATTENTION", "EXPERTS", "MLP", "OUTPUT", "LayerStash", "RecomputedInput", "StashChain", "StashHooks", "StashStats",
-           "StashedBlock", "StashedRef",
-           "UnusedOutput", "available_host_bytes", "current"]
+__all__ = ["ATTENTION", "EXPERTS", "MLP", "OUTPUT", "LayerStash", "RecomputedInput", "StashChain", "StashHooks",
+           "StashStats", "StashedBlock", "StashedRef", "UnusedOutput", "available_host_bytes", "current"]
