@@ -41,8 +41,10 @@ AdamW from CUDA events, and how far into the step the host finished launching ea
 garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
 fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
 ``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
-``--attention-stash`` with ``FastConfig(attention_stash=True)`` on the offloading stacks (the attention
-core's saved tensors in host memory instead of recomputed; its counters follow the row), ``--mlp-stash``
+``--attention-stash on|off`` with ``FastConfig(attention_stash=True|False)`` on the offloading stacks (the
+attention core's saved tensors in host memory instead of recomputed, the default on dense families; ``off``:
+each offloaded layer's core recomputed; the stash's counters follow the row; a bare ``--attention-stash`` is
+``on``), ``--mlp-stash``
 with ``FastConfig(mlp_stash=True)`` (the same for each layer's MLP; the link rate and layer time the stash
 measured follow the row), ``--o-proj-stash on|off`` with ``FastConfig(o_proj_stash=True|False)`` (``off``: each
 offloaded layer's o_proj multiplied again in the recompute instead of taking its output back from the host),
@@ -234,7 +236,8 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen,
                                                residual_norms=not args.no_residual_norms,
                                                base_dtype="fp8" if fp8 else "auto",
-                                               attention_stash=args.attention_stash and mode != "recompute",
+                                               attention_stash=False if mode == "recompute" else
+                                               {"on": True, "off": False}.get(args.attention_stash),
                                                mlp_stash=args.mlp_stash and mode != "recompute",
                                                o_proj_stash={"on": True, "off": False}.get(args.o_proj_stash),
                                                memory_budget_gb=args.memory_budget_gb if mode == "auto" else None,
@@ -624,7 +627,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
-        + (["--attention-stash"] if args.attention_stash else []) \
+        + ["--attention-stash", args.attention_stash] \
         + (["--mlp-stash"] if args.mlp_stash else []) \
         + ["--o-proj-stash", args.o_proj_stash] \
         + (["--no-grad-forward"] if args.no_grad_forward else []) \
@@ -719,8 +722,9 @@ def parse_args(argv=None):
                    help="auto stacks: FastConfig.memory_budget_gb, the activations' budget (default: free memory)")
     p.add_argument("--no-lora-widen", action="store_true",
                    help="fasttune stacks with FastConfig(lora_widen=False): the rank-r term as its own pass")
-    p.add_argument("--attention-stash", action="store_true",
-                   help="fasttune offload/auto stacks with FastConfig(attention_stash=True)")
+    p.add_argument("--attention-stash", nargs="?", const="on", default="default", choices=("default", "on", "off"),
+                   help="fasttune offload/auto stacks with FastConfig(attention_stash=None, True or False); "
+                        "bare: on")
     p.add_argument("--mlp-stash", action="store_true",
                    help="fasttune offload/auto stacks with FastConfig(mlp_stash=True)")
     p.add_argument("--o-proj-stash", default="default", choices=("default", "on", "off"),

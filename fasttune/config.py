@@ -111,14 +111,19 @@ class FastConfig:
                 "QuantState's (bf16 QLoRA): 6 of a Llama layer's 20 dequantisations a step, for one layer's weights "
                 "held from its recompute to its backward. Exact: the same values. 8B NF4 step on an H100: -1.1% time, "
                 "+0.19 GiB peak (benchmarks/RESULTS.md, session 41)."})
-    attention_stash: bool = field(default=False, metadata={
+    attention_stash: bool | None = field(default=None, metadata={
         "help": "With checkpointing 'offload' or 'auto': the attention core of each offloaded decoder layer "
                 "(q/k/v projections through the attention output) keeps what it saves for backward in pinned "
                 "host memory instead of being recomputed (about 0.16 GiB of host memory per layer per 8k tokens "
                 "of an 8B model, within half the host's available memory; further layers are recomputed; its "
-                "input is not copied: the recompute makes it). Exact: gradients equal those of a run without "
+                "input is not copied: the recompute makes it), as far as the host link keeps pace with the "
+                "forward (measured on the first two steps). Exact: gradients equal those of a run without "
                 "checkpointing. 8B step on an H100: +1.1-4.1% tok/s, +0.17/+0.31 GiB allocated/reserved "
-                "(benchmarks/RESULTS.md, session 46)."})
+                "(benchmarks/RESULTS.md, session 46). None (default): on where the layers record their forward "
+                "(dense families, bf16 and NF4 bases), off where the forward runs without autograd "
+                "(checkpoint_no_grad_forward: mixture-of-experts families by default) and with base_dtype='fp8' "
+                "(not measured there yet). Cores with dropout inside (attention dropout, PEFT's lora_dropout) are "
+                "recomputed. True: on wherever it applies."})
     experts_stash: bool = field(default=False, metadata={
         "help": "With checkpointing 'offload' or 'auto': the routed experts of each offloaded mixture-of-experts "
                 "layer keep what they save for backward (their gate/up product and input) in pinned host memory "

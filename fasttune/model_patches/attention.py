@@ -37,6 +37,7 @@ from torch import nn
 
 from ..config import FastConfig
 from . import attention_stash
+from .dropout_watch import DropoutWatch
 from .families import FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, few_rows_without_grad, stock_forward, swap_forward
 from .report import FUSED, PatchReport
@@ -117,6 +118,7 @@ class FastAttentionForward(PatchedForward):
         self.rope_flag_when = spec.rope_flag_when  # EXAONE 4: is_sliding decides only where a window is set
         self.output_gate = spec.output_gate  # Qwen3.5: q_proj yields [q_h | g_h] per head
         self.output_dropout_attr = spec.output_dropout_attr  # Seed-OSS: residual_dropout after o_proj
+        self.dropout_inside = DropoutWatch(skip_self=True)  # PEFT's lora_dropout in the projections
 
     def _rope(self, q, k, cos, sin):
         if self.use_rope_kernel and self.half_cos:  # gpt-oss: [cos | cos] is the same rotation, in our layout
@@ -188,11 +190,10 @@ class FastAttentionForward(PatchedForward):
             width = 3 * hidden_states.shape[-1]
         return tokens * width * hidden_states.element_size()
 
-    @staticmethod
-    def _stashable(m: nn.Module, cache) -> bool:
+    def _stashable(self, m: nn.Module, cache) -> bool:
         """May this call's core go to the attention stash (attention_stash.py says why not otherwise)?"""
         return (cache is None and m.config._attn_implementation not in (None, "eager")
-                and not (m.training and m.attention_dropout))
+                and not (m.training and m.attention_dropout) and not self.dropout_inside.draws(m))
 
     def _core(self, m, hidden_states, position_embeddings, attention_mask, cache, kwargs):
         """Projections, q/k norms, RoPE, cache update and attention: (output [..., heads*head_dim], weights)."""

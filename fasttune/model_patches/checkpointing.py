@@ -232,7 +232,10 @@ class LayerCheckpointing:
         ngf = config.checkpoint_no_grad_forward  # None: on for MoE (host-bound), under forward graphs (replayed)
         self.no_grad_forward = (moe or config.checkpoint_forward_graphs) if ngf is None else ngf
         o_proj = not self.no_grad_forward if config.o_proj_stash is None else config.o_proj_stash
-        kinds = tuple(k for k, on in ((ATTENTION, config.attention_stash), (EXPERTS, config.experts_stash),
+        attention = config.attention_stash  # None: where the layers record their forward, not over FP8 bases
+        if attention is None:
+            attention = not self.no_grad_forward and config.base_dtype != "fp8"
+        kinds = tuple(k for k, on in ((ATTENTION, attention), (EXPERTS, config.experts_stash),
                                       (MLP, config.mlp_stash), (OUTPUT, o_proj)) if on)
         self.stash = StashChain(self.checkpointer, kinds=kinds) if self.checkpointer is not None and kinds else None
         if self.stash is not None:

@@ -31,7 +31,7 @@ from ..config import FastConfig
 from . import attention_stash
 from .attention import float_dtype, output_dropout
 from .families import ACTIVATIONS, FamilySpec, family_class
-from .forward_graphs import draws_dropout
+from .dropout_watch import DropoutWatch
 from .instance import DECODE_STEP, PatchedForward, single_input, stock_forward, stock_is_faster, swap_forward
 from .report import PatchReport
 
@@ -72,6 +72,7 @@ class FastMLPForward(PatchedForward):
         self.layout = layout
         self.activation = activation
         self.act_attr = act_attr
+        self.dropout_inside = DropoutWatch(skip_self=True)  # PEFT's lora_dropout in the projections
 
     def _gate_up(self, x):
         m = self.module
@@ -119,7 +120,7 @@ class FastMLPForward(PatchedForward):
     def _dropout_inside(self) -> bool:
         """Does a submodule (PEFT's ``lora_dropout``) draw random numbers in this call? (The module's own
         output dropout comes after the core.)"""
-        return self.module.training and any(draws_dropout(m) for m in self.module.modules() if m is not self.module)
+        return self.dropout_inside.draws(self.module)
 
     def _width(self) -> int:
         """The intermediate width I."""

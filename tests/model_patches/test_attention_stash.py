@@ -20,14 +20,15 @@ from helpers.tiny_models import make_batch, tiny_model
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _model(model_type="llama", device="cpu", dtype=torch.float32, lora=True, attn="sdpa", **overrides):
+def _model(model_type="llama", device="cpu", dtype=torch.float32, lora=True, attn="sdpa", lora_dropout=0.0,
+           **overrides):
     model = tiny_model(model_type, dtype=dtype, seed=0, **overrides)
     model.set_attn_implementation(attn)
     if lora:
         from peft import LoraConfig, get_peft_model
 
         targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if model_type == "phi3" else LORA_TARGETS
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=lora_dropout,
                                                  init_lora_weights=False))
     return model.to(device).train()
 
@@ -145,10 +146,11 @@ def test_past_the_host_budget_layers_are_recomputed_exactly(budget_layers, caplo
     assert "attention stash full" in caplog.text
 
 
-@pytest.mark.parametrize("case", ["eager", "dropout"])
-def test_eager_attention_and_attention_dropout_are_recomputed(case):
-    """Eager attention saves [S, S] probabilities; dropout's RNG would shift if the core were skipped."""
-    kw = dict(attn="eager") if case == "eager" else dict(attention_dropout=0.2)
+@pytest.mark.parametrize("case", ["eager", "dropout", "lora_dropout"])
+def test_eager_attention_and_dropout_inside_are_recomputed(case):
+    """Eager attention saves [S, S] probabilities; dropout's RNG (the attention's, or PEFT's lora_dropout in the
+    projections) would shift for what follows in the recompute if the core were skipped."""
+    kw = {"eager": dict(attn="eager"), "dropout": dict(attention_dropout=0.2), "lora_dropout": dict(lora_dropout=0.3)}[case]
     batch = make_batch(_model().config.vocab_size, seed=7)
     reference, model = _model(**kw), _model(**kw)
     patch_model(reference, FastConfig())
@@ -165,6 +167,34 @@ def test_auto_stashes_the_offloaded_layers():
     chain = _stashed(model, mode="auto")
     assert_bitwise(seeded_step(model, batch), seeded_step(reference, batch))
     assert chain.stats.cores_stashed == model.config.num_hidden_layers - 1
+
+
+def test_on_by_default_where_the_layers_record_their_forward():
+    """Dense families with "offload" or "auto" stash their attention by default; mixture-of-experts families,
+    whose checkpointed forward runs without autograd by default, FP8 bases (not measured) and "recompute" do
+    not; False turns it off, True on."""
+    kinds = {}
+    for name, model_type, config in (("dense", "llama", dict(checkpointing="offload")),
+                                     ("auto", "llama", dict(checkpointing="auto")),
+                                     ("off", "llama", dict(checkpointing="offload", attention_stash=False)),
+                                     ("moe", "qwen3_moe", dict(checkpointing="offload")),
+                                     ("moe on", "qwen3_moe", dict(checkpointing="offload", attention_stash=True)),
+                                     ("fp8", "llama", dict(checkpointing="offload", base_dtype="fp8")),
+                                     ("recompute", "llama", dict(checkpointing="recompute"))):
+        model = _model(model_type)
+        patch_model(model, FastConfig(**config))
+        chain = layer_checkpointing(model).stash
+        kinds[name] = "attention" in chain.kinds if chain is not None else False
+    assert kinds == {"dense": True, "auto": True, "off": False, "moe": False, "moe on": True, "fp8": False,
+                     "recompute": False}
+    batch = make_batch(_model().config.vocab_size, seed=4)
+    reference, model = _model(), _model()
+    patch_model(reference, FastConfig())
+    patch_model(model, FastConfig(checkpointing="offload"))
+    chain = layer_checkpointing(model).stash
+    chain.min_bytes = 0
+    assert_bitwise(seeded_step(model, batch), seeded_step(reference, batch))
+    assert chain.stats.cores_skipped == model.config.num_hidden_layers, chain.stats
 
 
 def test_recompute_mode_refuses_it():

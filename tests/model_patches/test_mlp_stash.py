@@ -36,7 +36,7 @@ def _model(model_type="llama", device="cpu", dtype=torch.float32, lora=True, lor
 
 
 def _stashed(model, mode="offload", **config):
-    patch_model(model, FastConfig(checkpointing=mode, **{"mlp_stash": True, **config}))
+    patch_model(model, FastConfig(checkpointing=mode, **{"mlp_stash": True, "attention_stash": False, **config}))
     chain = layer_checkpointing(model).stash
     chain.min_bytes = 0
     return chain
@@ -101,7 +101,7 @@ def test_a_core_with_nothing_large_enough_to_copy_keeps_its_tensors_on_the_devic
     reference, model = _model(), _model()
     patch_model(reference, FastConfig())
     ref = seeded_step(reference, batch)
-    patch_model(model, FastConfig(checkpointing="offload", mlp_stash=True))
+    patch_model(model, FastConfig(checkpointing="offload", mlp_stash=True, attention_stash=False))
     chain = layer_checkpointing(model).stash
     assert_bitwise(seeded_step(model, batch), ref)
     assert chain.stats.cores_stashed == model.config.num_hidden_layers and chain.stats.blocks == 0, chain.stats

@@ -21,6 +21,7 @@ from helpers.tiny_models import make_batch, tiny_model
 
 from .test_lora import lora_model
 
+ALONE = dict(attention_stash=False)  # the o_proj stash by itself (the attention stash is on by default too)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -58,8 +59,8 @@ def test_bitwise_equal_to_no_checkpointing_and_o_proj_is_not_multiplied_again(mo
     patch_model(reference, FastConfig())
     ref = seeded_step(reference, batch)
     model, off = _model(model_type), _model(model_type)
-    patch_model(model, FastConfig(checkpointing="offload"))
-    patch_model(off, FastConfig(checkpointing="offload", o_proj_stash=False))
+    patch_model(model, FastConfig(checkpointing="offload", **ALONE))
+    patch_model(off, FastConfig(checkpointing="offload", o_proj_stash=False, **ALONE))
     assert layer_checkpointing(off).stash is None
     chain = layer_checkpointing(model).stash
     chain.min_bytes = 0  # tiny outputs: below the 1 MiB floor they would be recomputed
@@ -82,7 +83,7 @@ def test_nf4_bases_only_when_asked_for_and_then_bitwise():
     ref = seeded_step(reference, batch)
     for forced in (None, True):
         model = lora_model("llama", "cpu", nf4=True).train()
-        patch_model(model, FastConfig(checkpointing="offload", o_proj_stash=forced))
+        patch_model(model, FastConfig(checkpointing="offload", o_proj_stash=forced, **ALONE))
         chain = layer_checkpointing(model).stash
         chain.min_bytes = 0
         assert_bitwise(seeded_step(model, batch), ref)
@@ -119,7 +120,7 @@ def test_off_where_the_layers_forward_runs_without_autograd_unless_asked_for():
     patch_model(plain, FastConfig(checkpointing="offload"))
     assert layer_checkpointing(plain).stash is None
     model = _model(model_type)
-    patch_model(model, FastConfig(checkpointing="offload", o_proj_stash=True))
+    patch_model(model, FastConfig(checkpointing="offload", o_proj_stash=True, **ALONE))
     layer_checkpointing(model).stash.min_bytes = 0
     assert_bitwise(seeded_step(model, batch), ref)
     assert layer_checkpointing(model).stash.stats.outputs_reused == model.config.num_hidden_layers
@@ -128,7 +129,7 @@ def test_off_where_the_layers_forward_runs_without_autograd_unless_asked_for():
 def test_outputs_under_the_floor_are_recomputed():
     batch = make_batch(_model().config.vocab_size, seed=3)
     model = _model()
-    patch_model(model, FastConfig(checkpointing="offload"))
+    patch_model(model, FastConfig(checkpointing="offload", **ALONE))
     chain = layer_checkpointing(model).stash
     seeded_step(model, batch)
     assert chain.stats.outputs_kept == chain.stats.outputs_reused == chain.stats.blocks == 0, chain.stats
@@ -172,7 +173,7 @@ def test_cuda_bitwise_equal_with_the_outputs_sent_and_taken_back(deterministic, 
     kw = dict(dtype=dtype, num_hidden_layers=6, hidden_size=512, intermediate_size=2048)
     reference, model = _model("llama", "cuda", **kw), _model("llama", "cuda", **kw)
     patch_model(reference, FastConfig())
-    patch_model(model, FastConfig(checkpointing="offload"))
+    patch_model(model, FastConfig(checkpointing="offload", **ALONE))
     chain = layer_checkpointing(model).stash
     ref = seeded_step(reference, batch)
     layers = model.config.num_hidden_layers
