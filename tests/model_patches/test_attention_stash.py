@@ -150,7 +150,8 @@ def test_past_the_host_budget_layers_are_recomputed_exactly(budget_layers, caplo
 def test_eager_attention_and_dropout_inside_are_recomputed(case):
     """Eager attention saves [S, S] probabilities; dropout's RNG (the attention's, or PEFT's lora_dropout in the
     projections) would shift for what follows in the recompute if the core were skipped."""
-    kw = {"eager": dict(attn="eager"), "dropout": dict(attention_dropout=0.2), "lora_dropout": dict(lora_dropout=0.3)}[case]
+    kw = {"eager": dict(attn="eager"), "dropout": dict(attention_dropout=0.2),
+          "lora_dropout": dict(lora_dropout=0.3)}[case]
     batch = make_batch(_model().config.vocab_size, seed=7)
     reference, model = _model(**kw), _model(**kw)
     patch_model(reference, FastConfig())
