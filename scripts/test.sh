@@ -12,4 +12,5 @@ wait "$prefetch" || { echo "test tools prefetch failed (building in place):"; ta
 bash scripts/setup_test_tools.sh
 echo "setup took ${SECONDS} s"
 workers="${PYTEST_WORKERS:-auto}"
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --timeout 900 -q "$@"
+# --durations: the slowest tests at the end of every log (the suite's time is a budget too)
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --timeout 900 --durations=25 -q "$@"
