@@ -34,8 +34,7 @@ measured on the run, keeps pace with the forward; the others are recomputed as u
 on a stream of their own, and the device memory they read is let go in stream order a few layers later (no
 ``record_stream``). Not stashed: eager attention (it saves the [S, S] probabilities), attention dropout or
 dropout inside the projections (PEFT's ``lora_dropout``) in training (skipping the core would shift the RNG for
-what follows), a KV cache, a core called more than once
-in one layer call (the first call is).
+what follows), a KV cache, a core called more than once in one layer call (the first call is).
 
 The routed experts of a mixture-of-experts layer are a core of the same kind
 (``FastConfig.experts_stash``, ``moe.py``): the grouped expert Function saves its gate/up product
