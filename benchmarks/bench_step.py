@@ -283,6 +283,16 @@ def prepare_unsloth(weights: str, shape: dict, args):
 
 # --- the step ------------------------------------------------------------------------------------
 
+def padded_batch(ids: torch.Tensor, g: torch.Generator) -> dict:
+    """``ids`` as right-padded SFT rows: lengths drawn from half the sequence to all of it, the first row full
+    (the batch keeps its shape); the padding is masked out and its labels ignored."""
+    b, s = ids.shape
+    lengths = torch.randint(s // 2, s + 1, (b,), generator=g)
+    lengths[0] = s
+    mask = (torch.arange(s)[None, :] < lengths[:, None]).to(ids.device)
+    return dict(input_ids=ids, attention_mask=mask.long(), labels=ids.masked_fill(~mask, -100))
+
+
 class Step:
     """forward under bf16 autocast (CUDA), backward, AdamW on the trainable parameters."""
 
@@ -557,7 +567,10 @@ def worker(stack: str, args) -> None:
                     p.copy_(p0)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(4, shape["vocab_size"], (b, s), generator=g).to(device())
-            step = Step(model, dict(input_ids=ids, labels=ids))
+            batch = padded_batch(ids, g) if args.padded else dict(input_ids=ids, labels=ids)
+            if args.padded:
+                row["real_tokens"] = int(batch["attention_mask"].sum())  # tokens/s counts b x s
+            step = Step(model, batch)
             try:
                 row.update(measure(step, b * s, args.warmup, args.steps, args.gc))
                 if stack.startswith("fasttune"):
@@ -633,7 +646,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--no-grad-forward"] if args.no_grad_forward else []) \
         + (["--forward-graphs"] if args.forward_graphs else []) \
         + (["--backward-graphs"] if args.backward_graphs else []) \
-        + ["--gc", args.gc] \
+        + ["--gc", args.gc] + (["--padded"] if args.padded else []) \
         + ([] if args.loss_workspace_mib is None else ["--loss-workspace-mib", str(args.loss_workspace_mib)]) \
         + ([] if args.memory_budget_gb is None else ["--memory-budget-gb", str(args.memory_budget_gb)])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
@@ -739,6 +752,9 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(loss_workspace_mib=N): the loss head's logit workspace")
     p.add_argument("--no-residual-norms", action="store_true",
                    help="fasttune stacks with FastConfig(residual_norms=False): the residual adds as their own kernels")
+    p.add_argument("--padded", action="store_true",
+                   help="right-padded rows (an SFT batch: lengths from half the sequence up, the first row full) "
+                        "with an attention mask; tokens/s still counts the padding")
     p.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
                    help="Python's garbage collector during the timed steps: on; freeze (gc.freeze() after the "
                         "warm-up: the model's objects leave the generations it scans); off")
@@ -800,7 +816,7 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"versions": info, "model": args.model, "smoke": args.smoke, "checkpointing": args.checkpointing,
-                       "rows": rows, "seconds": round(time.time() - t0, 1)}, f, indent=1)
+                       "padded": args.padded, "rows": rows, "seconds": round(time.time() - t0, 1)}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -121,8 +121,9 @@ class FastConfig:
                 "checkpointing. 8B step on an H100: +1.1-4.1% tok/s, +0.17/+0.31 GiB allocated/reserved "
                 "(benchmarks/RESULTS.md, session 46). None (default): on where the layers record their forward "
                 "(dense families, bf16 and NF4 bases), off where the forward runs without autograd "
-                "(checkpoint_no_grad_forward: mixture-of-experts families by default) and with base_dtype='fp8' "
-                "(not measured there yet). Cores with dropout inside (attention dropout, PEFT's lora_dropout) are "
+                "(checkpoint_no_grad_forward: mixture-of-experts families by default), with base_dtype='fp8' "
+                "(not measured there yet) and for families with q/k norms (Qwen3, Gemma 3, OLMo 2: their inputs "
+                "make a core 1.5x the bytes; Qwen3-8B on an H100: -6% tok/s, session 48). Cores with dropout inside (attention dropout, PEFT's lora_dropout) are "
                 "recomputed. True: on wherever it applies."})
     experts_stash: bool = field(default=False, metadata={
         "help": "With checkpointing 'offload' or 'auto': the routed experts of each offloaded mixture-of-experts "

@@ -44,13 +44,14 @@ def test_bench_step_smoke_every_fasttune_stack(tmp_path):
 @pytest.mark.slow
 def test_bench_step_smoke_qwen25_nf4(tmp_path):
     """``--model qwen2.5-7b``: another family's shape (q/k/v biases, kept 16-bit beside the NF4 codes);
-    hf and fasttune compute the same function (B = 0)."""
+    hf and fasttune compute the same function (B = 0), here on padded rows (``--padded``: an attention mask)."""
     out = tmp_path / "step_qwen.json"
     _run(["benchmarks/bench_step.py", "--smoke", "--model", "qwen2.5-7b", "--stacks", "hf,fasttune", "--weights", "nf4",
-          "--shapes", "1x32", "--steps", "1", "--warmup", "1", "--out", str(out)], 600)
+          "--shapes", "3x32", "--steps", "1", "--warmup", "1", "--padded", "--out", str(out)], 600)
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert result["model"] == "qwen2.5-7b" and [r["stack"] for r in rows] == ["hf", "fasttune"], rows
+    assert result["model"] == "qwen2.5-7b" and result["padded"] and [r["stack"] for r in rows] == ["hf", "fasttune"]
+    assert all(32 < r["real_tokens"] < 3 * 32 for r in rows), rows  # the workers padded their rows
     assert all("tokens_per_s" in r for r in rows), rows
     assert rows[0]["loss_step1"] == rows[1]["loss_step1"], rows
 
@@ -334,3 +335,20 @@ def test_bench_gc_runs_both_arms_and_the_frozen_one_freezes():
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith(("| on", "| freeze"))]
     assert [r[0].strip() for r in rows] == ["on", "freeze"], stdout
     assert "(0 frozen)" in rows[0][1] and "(0 frozen)" not in rows[1][1], stdout
+
+
+def test_bench_step_padded_batch_masks_and_ignores_the_padding():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_step import padded_batch
+    finally:
+        sys.path.pop(0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 100, (6, 40), generator=g)
+    batch = padded_batch(ids, g)
+    mask, labels = batch["attention_mask"], batch["labels"]
+    lengths = mask.sum(1)
+    assert lengths[0] == 40 and bool((lengths >= 20).all()) and bool((lengths < 40).any()), lengths
+    for row, n in enumerate(lengths.tolist()):  # right padding: the row's tokens first, then the masked rest
+        assert mask[row, :n].all() and not mask[row, n:].any()
+        assert torch.equal(labels[row, :n], ids[row, :n]) and bool((labels[row, n:] == -100).all())

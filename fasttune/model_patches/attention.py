@@ -38,6 +38,7 @@ from torch import nn
 from ..config import FastConfig
 from . import attention_stash
 from .dropout_watch import DropoutWatch
+from .mask_bias import sdpa_dtype, shareable
 from .families import FamilySpec, family_class
 from .instance import DECODE_STEP, PatchedForward, few_rows_without_grad, stock_forward, swap_forward
 from .report import FUSED, PatchReport
@@ -169,7 +170,8 @@ class FastAttentionForward(PatchedForward):
         stash = attention_stash.current(attention_stash.ATTENTION)
         if stash is not None and self._stashable(m, cache):
             attn_output, attn_weights = stash.run(
-                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs),
+                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs,
+                                   stash.chain.mask_bias),
                 self._stash_bytes(m, hidden_states), m, core_input=hidden_states)
         else:
             attn_output, attn_weights = self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs)
@@ -195,8 +197,9 @@ class FastAttentionForward(PatchedForward):
         return (cache is None and m.config._attn_implementation not in (None, "eager")
                 and not (m.training and m.attention_dropout) and not self.dropout_inside.draws(m))
 
-    def _core(self, m, hidden_states, position_embeddings, attention_mask, cache, kwargs):
-        """Projections, q/k norms, RoPE, cache update and attention: (output [..., heads*head_dim], weights)."""
+    def _core(self, m, hidden_states, position_embeddings, attention_mask, cache, kwargs, mask_bias=None):
+        """Projections, q/k norms, RoPE, cache update and attention: (output [..., heads*head_dim], weights).
+        ``mask_bias``: a stashed core's ``SharedMaskBias`` (one additive bias per forward, not per layer)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
 
@@ -226,6 +229,9 @@ class FastAttentionForward(PatchedForward):
                 k, v = cache.update(k, v, m.layer_idx)
 
         interface = self._interface(m, q, attention_mask)
+        if mask_bias is not None and "position_bias" not in kwargs and shareable(
+                attention_mask, m.config._attn_implementation, q):
+            attention_mask = mask_bias.get(attention_mask, sdpa_dtype(q))
         attn_output, attn_weights = interface(
             m, q, k, v, attention_mask,
             dropout=m.attention_dropout if m.training else 0.0,

@@ -32,9 +32,11 @@ plus the pool's free pinned buffers) is recomputed as usual, and the forward's f
 The link is a budget too, in GPU time (``stash_link.py``): a core goes only while the link, at the rate
 measured on the run, keeps pace with the forward; the others are recomputed as usual. The cores' copies run
 on a stream of their own, and the device memory they read is let go in stream order a few layers later (no
-``record_stream``). Not stashed: eager attention (it saves the [S, S] probabilities), attention dropout or
-dropout inside the projections (PEFT's ``lora_dropout``) in training (skipping the core would shift the RNG for
-what follows), a KV cache, a core called more than once in one layer call (the first call is).
+``record_stream``). With a padding mask the stashed cores share one additive bias of it per forward
+(``mask_bias.py``): torch would make one per call, which a stashed core keeps on the GPU until the backward.
+Not stashed: eager attention (it saves the [S, S] probabilities), attention dropout or dropout inside the
+projections (PEFT's ``lora_dropout``) in training (skipping the core would shift the RNG for what follows), a KV
+cache, a core called more than once in one layer call (the first call is).
 
 The routed experts of a mixture-of-experts layer are a core of the same kind
 (``FastConfig.experts_stash``, ``moe.py``): the grouped expert Function saves its gate/up product
@@ -56,6 +58,7 @@ from typing import Callable
 
 import torch
 
+from .mask_bias import SharedMaskBias
 from .offload import OffloadedCheckpointer
 from .stash_blocks import InputUse, RecomputedInput, StashedBlock, StashedRef, UnusedOutput, view_of
 from .stash_link import HeldOriginals, LinkBudget
@@ -138,6 +141,7 @@ class StashChain:
         self.last: weakref.ref | None = None
         self._lock = threading.Lock()
         self._warned_budget = False
+        self.mask_bias = SharedMaskBias()  # a padding mask's additive bias, one per forward for every stashed core
         self.link = LinkBudget()  # the link's budget in GPU time, once measured
         checkpointer.copy_timer = self.link.copies_timed  # every copy to the host times the link, inputs too
         self.held = HeldOriginals()  # device memory the copies in flight read
@@ -164,6 +168,12 @@ class StashChain:
         if busy:
             self.stats.cores_link_busy += 1
         return busy
+
+    def settle(self, charged: int, sent: int, device: torch.device | None) -> None:
+        """A core admitted for ``charged`` bytes sent ``sent``: the link budget takes the difference (where
+        ``link_busy`` charged it: on CUDA, once measured)."""
+        if device is not None and device.type == "cuda" and self.link.measured:
+            self.link.settle(charged, sent)
 
     def send(self, flats: list[torch.Tensor]) -> list:
         """Start the host copies of one core's blocks (``OffloadedCheckpointer.pack_many``). On CUDA they run
@@ -340,7 +350,7 @@ class LayerStash:
             with StashHooks(self, saved_all):
                 out, extra = core()
             ref = UnusedOutput(out) if output_unused else self.ref(out, force=True)
-            self._send_pending()
+            self.chain.settle(core_bytes, self._send_pending(), _device(module))
             if self._input is not None:
                 self.inputs[key] = self._input
                 self.chain.stats.inputs_recomputed += 1
@@ -357,10 +367,13 @@ class LayerStash:
         self.chain.stats.cores_stashed += 1
         return out, extra
 
-    def _send_pending(self) -> None:
+    def _send_pending(self) -> int:
+        """Send the blocks gathered so far; the bytes they move."""
         pending = list(self._by_address.values())
+        sent = sum(b.flat.numel() * b.flat.element_size() for b in pending)
         for block, packed in zip(pending, self.chain.send([b.flat for b in pending])):
             block.packed, block.flat = packed, None
+        return sent
 
     def keep(self, out: torch.Tensor, kind: str) -> "StashedRef | None":
         """Send ``out`` alone to the host (what made it saves through the checkpoint as usual); its ref, or

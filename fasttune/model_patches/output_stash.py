@@ -52,8 +52,8 @@ def projection_output(compute: Callable[[], torch.Tensor], recompute: Callable[[
             return compute()
         chain.stats.outputs_reused += 1
         return recompute(ref.get())
-    link_busy = device.type == "cuda" and not (chain.link.measured and chain.link.admits(nbytes))
-    if index > 0 or nbytes < chain.min_bytes or link_busy or not chain.admit(nbytes):
+    if (index > 0 or nbytes < chain.min_bytes or not chain.admit(nbytes)
+            or (device.type == "cuda" and not (chain.link.measured and chain.link.admits(nbytes)))):
         stash.plan[key] = None  # a second call in one layer (the first is kept), small, or over a budget
         return compute()
     out = compute()
@@ -61,6 +61,8 @@ def projection_output(compute: Callable[[], torch.Tensor], recompute: Callable[[
     stash.plan[key] = ref
     if ref is not None:
         chain.stats.outputs_kept += 1
+    else:  # its memory could not be copied flat: nothing went, the link budget gets its charge back
+        chain.settle(nbytes, 0, device)
     return out
 
 

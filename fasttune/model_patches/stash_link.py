@@ -21,8 +21,8 @@ Each offloaded layer's forward lets the link carry ``SAFETY * rate * layer time`
 bytes of the stash's copies. The credit is what the link could still take on without its backlog of
 stashed copies growing past ``HOLD_LAYERS - 1`` layers' worth (a core ends within its layer, and its
 originals are let go when layer ``HOLD_LAYERS`` after it begins): each layer adds its share, up to that
-cap (idle link time cannot be saved up); a core goes to the host when the credit covers its bytes (the
-credit drops by them), else it is recomputed as usual. A forward starts with the link idle (full credit).
+cap (idle link time cannot be saved up); a core goes to the host when the credit covers its estimated bytes
+(the credit drops by them, then by the difference to what it really queued), else it is recomputed as usual. A forward starts with the link idle (full credit).
 Until both figures exist no core goes: the first training step (its forward pins the layer inputs' buffers)
 and the second stash nothing.
 
@@ -105,6 +105,12 @@ class LinkBudget:
             return False
         self.credit -= nbytes
         return True
+
+    def settle(self, charged: int, sent: int) -> None:
+        """A core admitted for ``charged`` bytes queued ``sent``: the credit takes the difference, and may go
+        below zero (the next cores wait for the layers to earn it back). The estimate can be short: with a
+        padding mask transformers' sdpa repeats k and v to every head before the kernel saves them."""
+        self.credit -= sent - charged
 
     def copies_timed(self, nbytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """A stashed core's copies, between ``start`` and ``end`` on the side stream."""

@@ -171,13 +171,15 @@ def test_auto_stashes_the_offloaded_layers():
 
 
 def test_on_by_default_where_the_layers_record_their_forward():
-    """Dense families with "offload" or "auto" stash their attention by default; mixture-of-experts families,
-    whose checkpointed forward runs without autograd by default, FP8 bases (not measured) and "recompute" do
-    not; False turns it off, True on."""
+    """Dense families with "offload" or "auto" stash their attention by default; families with q/k norms (their
+    cores too large for the link), mixture-of-experts families, whose checkpointed forward runs without autograd by
+    default, FP8 bases (not measured) and "recompute" do not; False turns it off, True on."""
     kinds = {}
     for name, model_type, config in (("dense", "llama", dict(checkpointing="offload")),
                                      ("auto", "llama", dict(checkpointing="auto")),
                                      ("off", "llama", dict(checkpointing="offload", attention_stash=False)),
+                                     ("qk norms", "qwen3", dict(checkpointing="offload")),
+                                     ("qk norms on", "qwen3", dict(checkpointing="offload", attention_stash=True)),
                                      ("moe", "qwen3_moe", dict(checkpointing="offload")),
                                      ("moe on", "qwen3_moe", dict(checkpointing="offload", attention_stash=True)),
                                      ("fp8", "llama", dict(checkpointing="offload", base_dtype="fp8")),
@@ -186,8 +188,8 @@ def test_on_by_default_where_the_layers_record_their_forward():
         patch_model(model, FastConfig(**config))
         chain = layer_checkpointing(model).stash
         kinds[name] = "attention" in chain.kinds if chain is not None else False
-    assert kinds == {"dense": True, "auto": True, "off": False, "moe": False, "moe on": True, "fp8": False,
-                     "recompute": False}
+    assert kinds == {"dense": True, "auto": True, "off": False, "qk norms": False, "qk norms on": True, "moe": False,
+                     "moe on": True, "fp8": False, "recompute": False}
     batch = make_batch(_model().config.vocab_size, seed=4)
     reference, model = _model(), _model()
     patch_model(reference, FastConfig())
@@ -247,3 +249,81 @@ def test_the_link_budget_is_charged_what_a_core_copies(model_type, monkeypatch):
     stats, layers = chain.stats, model.config.num_hidden_layers
     assert stats.cores_stashed == stats.inputs_recomputed == layers
     assert stats.bytes == sum(charged[:layers]) > 0, (stats, charged)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_the_link_budget_settles_what_a_core_really_sent(padded, monkeypatch):
+    """The charge is an estimate; each stashed core then settles the bytes it queued. With padding transformers'
+    sdpa repeats k and v to every head (no ``enable_gqa`` with a mask), and the kernel saves those: the core
+    sends more than it was charged, and the budget has to learn it."""
+    model = _model("llama", lora=False)
+    chain = _stashed(model)
+    chain.min_bytes = 1
+    settled = []
+    monkeypatch.setattr(chain, "settle", lambda charged, sent, device: settled.append((charged, sent)))
+    batch = make_batch(model.config.vocab_size, seed=6)
+    if padded:
+        batch["attention_mask"][0, :5] = 0
+    seeded_step(model, batch)
+    layers = model.config.num_hidden_layers
+    assert len(settled) == chain.stats.cores_stashed == layers
+    charged, sent = (sum(x) for x in zip(*settled))
+    assert sent == chain.stats.bytes
+    kv_width = 2 * model.config.num_key_value_heads * model.config.head_dim
+    repeated = (2 * model.config.num_attention_heads * model.config.head_dim - kv_width) * 2 * 17 * 4 * layers
+    assert sent == charged + (repeated if padded else 0), (charged, sent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_padded_batch_shares_one_additive_bias_across_the_stashed_cores(dtype):
+    """With a padding mask sdpa would make an additive bias per layer, which a stashed core keeps on the GPU
+    until the backward; the stashed cores share one per forward (``mask_bias.py``), bit for bit."""
+    batch = make_batch(tiny_model("llama").config.vocab_size, batch=3, seq=37, seed=5)
+    batch["attention_mask"][1, 30:] = 0
+    batch["attention_mask"][2, 20:] = 0
+    reference = _model(dtype=dtype)
+    patch_model(reference, FastConfig())
+    model = _model(dtype=dtype)
+    chain = _stashed(model)
+    ref = seeded_step(reference, batch)
+    for step in (1, 2):
+        assert_bitwise(seeded_step(model, batch), ref)
+        assert chain.stats.cores_stashed == step * model.config.num_hidden_layers, chain.stats
+        assert chain.mask_bias.made == step  # one bias per forward, for every layer
+
+
+@pytest.mark.gpu
+def test_cuda_a_padded_batch_keeps_one_bias_for_all_stashed_cores(deterministic, monkeypatch):
+    """On CUDA sdpa's memory-efficient kernel saves the additive bias it makes of a boolean mask; a stashed core
+    keeps it until the backward. Shared, the layers hold one bias instead of one each, with the same numbers."""
+    from fasttune.model_patches import attention
+
+    seq, layers = 1000, 4
+    batch = make_batch(tiny_model("llama").config.vocab_size, batch=4, seq=seq, seed=9, device="cuda")
+    batch["attention_mask"][1:, seq // 2:] = 0
+    kw = dict(dtype=torch.bfloat16, num_hidden_layers=layers, hidden_size=256, intermediate_size=512)
+    peaks, results = {}, {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(attention, "shareable", lambda *a: False)
+        model = _model("llama", "cuda", **kw)
+        chain = _stashed(model)
+        for _ in range(MEASURING_STEPS):
+            seeded_step(model, batch)
+        torch.cuda.synchronize()
+        chain.link.admits = lambda nbytes: True
+        torch.cuda.reset_peak_memory_stats()
+        results[shared] = seeded_step(model, batch)
+        torch.cuda.synchronize()
+        peaks[shared] = torch.cuda.max_memory_allocated()
+        assert chain.stats.cores_stashed == layers, chain.stats
+        assert chain.mask_bias.made == (MEASURING_STEPS + 1 if shared else 0)
+        del model, chain
+        torch.cuda.empty_cache()
+    # The forward is bitwise; the memory-efficient kernel's backward adds in no fixed order (warn-only determinism).
+    (loss, grads), (ref_loss, ref_grads) = results[True], results[False]
+    assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert (g.float() - ref_grads[name].float()).abs().max() <= 2e-2 * ref_grads[name].float().abs().max(), name
+    bias_bytes = 4 * seq * 1008 * 2
+    assert peaks[False] - peaks[True] >= (layers - 1) * bias_bytes * 0.9, (peaks, bias_bytes)

@@ -135,6 +135,25 @@ def test_pool_stays_bounded_when_shapes_change():
     assert pool.bytes_free == 0
 
 
+def test_pool_serves_a_shifting_mix_of_sizes_without_pinning_again():
+    """Steps that need the same bytes in a different mix (more small blocks, fewer large ones, and back) are
+    served by the buffers there are: a small request takes the front of a larger free buffer, which goes back
+    whole. Exact sizes alone dropped one size's buffers to pin the other's, every time the mix shifted."""
+    pool = HostBufferPool(pin=False)
+    mixes = [[64] * 4 + [16] * 2, [64] * 2 + [16] * 6, [64] * 4 + [16] * 2, [64] * 3 + [16] * 4]
+    for step, mix in enumerate(mixes * 3):
+        bufs = [pool.acquire(n, "cpu") for n in mix]
+        assert [b.numel() for b in bufs] == mix
+        for b in bufs:
+            pool.release(b, "cpu")
+        assert pool.bytes_in_use == 0 and pool.bytes_total <= pool.peak_bytes_in_use
+        if step == len(mixes) - 1:
+            first_round = pool.allocations  # 8: the second mix has the most blocks
+    assert pool.allocations == first_round == 8, pool.allocations
+    tiny = pool.acquire(3, "cpu")  # more than FIT times smaller than every free buffer: a new one
+    assert pool.allocations == 9 and tiny.numel() == 3
+
+
 def test_bad_arguments_raise():
     ck = OffloadedCheckpointer()
     with pytest.raises(TypeError, match="tensor"):

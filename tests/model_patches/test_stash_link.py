@@ -156,3 +156,18 @@ def test_held_originals_go_after_the_compute_stream_waits_for_their_copies():
     assert tensors[0] == [] and tensors[1] == [] and tensors[2] == ["block"] and len(held) == 2
     held.release_all()
     assert stream.waited == [f"copies of {i}" for i in range(4)] and len(held) == 0 and tensors[3] == []
+
+
+def test_a_core_that_sent_more_than_its_charge_holds_back_the_next():
+    """Credit settles to the bytes really queued, and may go below zero: the layers earn it back first."""
+    clock, budget = Clock(), LinkBudget(safety=1.0)
+    budget.rate, budget.layer_s = 50 * MIB / 1e-3, 0.007  # 286 MiB a layer, at most 572 MiB of credit
+    budget.layer_event(0, clock.at(0.0), 64 * MIB)
+    assert budget.admits(300 * MIB)
+    budget.settle(300 * MIB, 800 * MIB)
+    assert budget.credit == pytest.approx(-228 * MIB)
+    assert not budget.admits(1)
+    budget.layer_event(1, clock.at(0.007), 64 * MIB)
+    assert budget.credit == pytest.approx(58 * MIB) and budget.admits(50 * MIB)
+    budget.settle(50 * MIB, 10 * MIB)  # sent less: the rest comes back
+    assert budget.credit == pytest.approx(48 * MIB)
