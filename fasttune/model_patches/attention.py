@@ -37,6 +37,7 @@ from torch import nn
 
 from ..config import FastConfig
 from . import attention_stash
+from .attention_qk import attention_qk
 from .dropout_watch import DropoutWatch
 from .mask_bias import sdpa_dtype, shareable
 from .families import FamilySpec, family_class
@@ -170,8 +171,7 @@ class FastAttentionForward(PatchedForward):
         stash = attention_stash.current(attention_stash.ATTENTION)
         if stash is not None and self._stashable(m, cache):
             attn_output, attn_weights = stash.run(
-                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs,
-                                   stash.chain.mask_bias),
+                lambda: self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs, stash),
                 self._stash_bytes(m, hidden_states), m, core_input=hidden_states)
         else:
             attn_output, attn_weights = self._core(m, hidden_states, position_embeddings, attention_mask, cache, kwargs)
@@ -179,15 +179,13 @@ class FastAttentionForward(PatchedForward):
 
     def _stash_bytes(self, m: nn.Module, hidden_states: torch.Tensor) -> int:
         """What a stashed core copies (the link budget charges it): q (with its gate) and the attention output,
-        heads·head_dim wide each, k and v, kv heads·head_dim each, q and k again before q/k norms; not the
-        projections' input (the recompute makes it). Three hidden widths where the module does not say its heads."""
+        heads·head_dim wide each, k and v, kv heads·head_dim each (with q/k norms: the norms' inputs; backward
+        remakes the normed q/k from them); not the projections' input (the recompute makes it). Three hidden widths where the module does not say its heads."""
         config, tokens = m.config, hidden_states.numel() // hidden_states.shape[-1]
         heads, head_dim = getattr(config, "num_attention_heads", None), getattr(m, "head_dim", None)
         if isinstance(heads, int) and isinstance(head_dim, int):
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             width = (3 if self.output_gate else 2) * heads * head_dim + 2 * kv_heads * head_dim
-            if self.qk_norm is not None:  # each norm saves its input
-                width += (heads + kv_heads) * head_dim
         else:
             width = 3 * hidden_states.shape[-1]
         return tokens * width * hidden_states.element_size()
@@ -197,9 +195,10 @@ class FastAttentionForward(PatchedForward):
         return (cache is None and m.config._attn_implementation not in (None, "eager")
                 and not (m.training and m.attention_dropout) and not self.dropout_inside.draws(m))
 
-    def _core(self, m, hidden_states, position_embeddings, attention_mask, cache, kwargs, mask_bias=None):
+    def _core(self, m, hidden_states, position_embeddings, attention_mask, cache, kwargs, stash=None):
         """Projections, q/k norms, RoPE, cache update and attention: (output [..., heads*head_dim], weights).
-        ``mask_bias``: a stashed core's ``SharedMaskBias`` (one additive bias per forward, not per layer)."""
+        ``stash``: the ``LayerStash`` of a core that may be stashed (its chain's ``SharedMaskBias``: one
+        additive bias per forward, not per layer; it remakes the normed q/k in backward: ``attention_qk.py``)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
 
@@ -208,19 +207,10 @@ class FastAttentionForward(PatchedForward):
         if self.output_gate:  # as stock: per head, the first head_dim columns are q, the next its gate
             q, gate = q.view(*input_shape, -1, 2 * m.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(*input_shape, -1)
-        q_norm, k_norm = getattr(m, self.q_norm, None), getattr(m, self.k_norm, None)
-        if self.qk_norm == "full":  # OLMo2: over the whole projection, before the head split
-            q, k = q_norm(q), k_norm(k)
-        q, k, v = q.reshape(hidden_shape), k.reshape(hidden_shape), v.reshape(hidden_shape)  # views for stock
-        if self.qk_norm == "head":  # Qwen3 / Gemma 3: over each head (same math before the transpose)
-            q, k = q_norm(q), k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-        if self._rotates(m):
-            cos, sin = position_embeddings
-            q, k = self._rope(q, k, cos, sin)
-        if self.qk_norm == "head_after_rope":  # Hunyuan: over each rotated head
-            q, k = q_norm(q), k_norm(k)
+        norms = (getattr(m, self.q_norm, None), getattr(m, self.k_norm, None))
+        rope = (lambda q, k: self._rope(q, k, *position_embeddings)) if self._rotates(m) else None
+        q, k = attention_qk(q, k, hidden_shape, self.qk_norm, norms, rope, stash)
+        v = v.reshape(hidden_shape).transpose(1, 2)  # a view, as stock's
 
         if cache is not None:
             if self.cache_kwargs:
@@ -229,9 +219,9 @@ class FastAttentionForward(PatchedForward):
                 k, v = cache.update(k, v, m.layer_idx)
 
         interface = self._interface(m, q, attention_mask)
-        if mask_bias is not None and "position_bias" not in kwargs and shareable(
+        if stash is not None and "position_bias" not in kwargs and shareable(
                 attention_mask, m.config._attn_implementation, q):
-            attention_mask = mask_bias.get(attention_mask, sdpa_dtype(q))
+            attention_mask = stash.chain.mask_bias.get(attention_mask, sdpa_dtype(q))
         attn_output, attn_weights = interface(
             m, q, k, v, attention_mask,
             dropout=m.attention_dropout if m.training else 0.0,

@@ -12,7 +12,9 @@ five hidden-sized tensors, which the host link can move while the GPU computes. 
   all of a core's copies queued together when it ends, and so is the core's output (usually the same
   memory as the saved attention output: one copy serves both). The core's input (the norm's output
   the projections save) is not copied: the recompute makes it again before it reaches the core
-  (``stash_blocks.RecomputedInput``). The checkpoint never sees those tensors.
+  (``stash_blocks.RecomputedInput``). With q/k norms, the normed, rotated q/k the attention saves are
+  not copied either: backward remakes them from the norms' inputs (``stash_remake.py``). The checkpoint
+  never sees those tensors.
 - recompute: the core is skipped; its output comes back from the host, its input is handed to its
   nodes. The checkpoint's count of saved tensors still matches, since the core saved nothing through
   the checkpoint in either pass.
@@ -62,6 +64,7 @@ from .mask_bias import SharedMaskBias
 from .offload import OffloadedCheckpointer
 from .stash_blocks import InputUse, RecomputedInput, StashedBlock, StashedRef, UnusedOutput, view_of
 from .stash_link import HeldOriginals, LinkBudget
+from .stash_remake import RemadeRef, RemadeTensors
 
 logger = logging.getLogger("fasttune")
 
@@ -111,6 +114,7 @@ class StashStats:
         blocks: host copies made; bytes: their size.
         outputs_kept, outputs_reused: o_proj outputs sent to the host, and recomputes that took one back.
         inputs_recomputed: stashed cores whose input was not copied (the recompute hands it back).
+        tensors_remade: backward remakes of saved tensors that were not copied (``stash_remake.py``).
     """
 
     cores_stashed: int = 0
@@ -122,6 +126,7 @@ class StashStats:
     outputs_kept: int = 0
     outputs_reused: int = 0
     inputs_recomputed: int = 0
+    tensors_remade: int = 0
 
 
 class StashChain:
@@ -220,6 +225,9 @@ class StashChain:
             return None
         return int(avail * HOST_SHARE) + self.checkpointer.pool.bytes_free
 
+    def count_remade(self) -> None:
+        self.stats.tensors_remade += 1
+
     def _count(self, nbytes: int) -> None:
         with self._lock:
             self.host_bytes += nbytes
@@ -271,6 +279,7 @@ class LayerStash:
         # This core's blocks by memory address: valid while the core runs only (its tensors are held
         # alive meanwhile); a later core may get the same addresses for other tensors.
         self._by_address: dict[tuple, StashedBlock] = {}
+        self._remade: dict[tuple, tuple[RemadeTensors, int]] = {}  # by output memory address, as _by_address
         self._alive: list[torch.Tensor] | None = None
         self._kind = ATTENTION  # of the core running now
         self._params: tuple = ()  # the core's module's parameters (their memory is not stashed)
@@ -355,8 +364,10 @@ class LayerStash:
                 self.inputs[key] = self._input
                 self.chain.stats.inputs_recomputed += 1
         finally:
+            for remade, _ in self._remade.values():
+                remade.release()
             self._alive = None
-            self._by_address = {}
+            self._by_address, self._remade = {}, {}
             self._params = ()
             self._input_tensor, self._input = None, None
         if ref is None:  # the core's output is a plain contiguous tensor (attention.py); anything else is a bug
@@ -366,6 +377,19 @@ class LayerStash:
         self.grad[key] = out.requires_grad
         self.chain.stats.cores_stashed += 1
         return out, extra
+
+    def remakes(self, inputs: tuple, outputs: tuple, remake: Callable) -> None:
+        """The running core's ``outputs`` are ``remake(*inputs)``, bitwise: where its nodes save them, backward
+        makes them again from the inputs' copies instead of copying them too (``stash_remake.py``). Nothing
+        outside a stashed core's forward."""
+        if self._alive is None or self.recompute:
+            return
+        remade = RemadeTensors(inputs, outputs, remake, self.chain.count_remade)
+        for i, t in enumerate(outputs):
+            ptr = _storage_ptr(t)
+            if ptr is not None:
+                self._remade[(t.device, ptr)] = (remade, i)
+                self._alive.append(t)  # its address stays its own until the core ends
 
     def _send_pending(self) -> int:
         """Send the blocks gathered so far; the bytes they move."""
@@ -408,6 +432,9 @@ class LayerStash:
                 return None
             if _parameter_memory(t, self._params):
                 return None
+        remade = None if force else self._remade.get((t.device, _storage_ptr(t)))
+        if remade is not None and remade[0].bind(lambda x: self.ref(x, force=True)):
+            return remade[0].use(remade[1], t)
         detached = t.detach()
         storage = detached.untyped_storage()
         key = (t.device, storage.data_ptr())
@@ -453,7 +480,7 @@ class StashHooks(torch.autograd.graph.saved_tensors_hooks):
 
     @staticmethod
     def _unpack(saved):
-        return saved.get() if isinstance(saved, (StashedRef, InputUse)) else saved
+        return saved.get() if isinstance(saved, (StashedRef, InputUse, RemadeRef)) else saved
 
 
 __all__ = ["ATTENTION", "EXPERTS", "MLP", "OUTPUT", "LayerStash", "RecomputedInput", "StashChain", "StashHooks",

@@ -59,6 +59,24 @@ def test_bitwise_equal_to_no_checkpointing_and_the_core_is_not_recomputed(model_
     assert chain.stats.blocks > layers  # the saved tensors went too, not only the core's output
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "exaone4", "olmo2", "hunyuan_v1_dense"])
+def test_normed_q_and_k_are_remade_in_backward_not_copied(model_type):
+    """With q/k norms the attention saves the normed, rotated q/k and the norms save their inputs: the first are
+    remade from the second in backward (one remake per core and backward: norms before RoPE per head, over the whole
+    projection, or after RoPE), not copied; gradients stay bitwise. Without the remake, the bytes sent would be
+    those of a Llama core plus the normed q/k (the link-budget test below pins the bytes)."""
+    batch = make_batch(tiny_model(model_type).config.vocab_size, seed=11)
+    reference, model = _model(model_type), _model(model_type)
+    patch_model(reference, FastConfig())
+    chain = _stashed(model)
+    ref = seeded_step(reference, batch)
+    for step in (1, 2):
+        assert_bitwise(seeded_step(model, batch), ref)
+        layers = model.config.num_hidden_layers
+        assert chain.stats.cores_stashed == chain.stats.tensors_remade == step * layers, chain.stats
+        assert chain.host_bytes == 0
+
+
 def test_the_core_is_skipped_in_the_recompute(monkeypatch):
     """The q/k/v projections run once per layer (forward), not again in backward."""
     from fasttune.model_patches import attention
@@ -226,6 +244,7 @@ def test_cuda_bitwise_equal_with_pinned_copies_on_the_side_stream(deterministic,
     assert state.checkpointer.pool.pin and chain.host_bytes == 0
     stats, layers = chain.stats, model.config.num_hidden_layers
     assert stats.cores_stashed == stats.cores_skipped == stats.inputs_recomputed == 2 * layers, stats
+    assert stats.tensors_remade == (2 * layers if model_type == "qwen3" else 0), stats
     assert stats.cores_link_busy == MEASURING_STEPS * layers, stats
     # Each step's first recompute (the last layer) takes its core's output on the spot; the rest was fetched ahead.
     assert state.checkpointer.stats.misses <= 2 * 2, state.checkpointer.stats
@@ -234,8 +253,8 @@ def test_cuda_bitwise_equal_with_pinned_copies_on_the_side_stream(deterministic,
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "olmo2"])
 def test_the_link_budget_is_charged_what_a_core_copies(model_type, monkeypatch):
     """The link budget admits a core by its estimated bytes (``FastAttentionForward._stash_bytes``): exactly what
-    its saved tensors then move (full fine-tuning: no rank-r products; q/k norms' inputs for Qwen3 and OLMo2);
-    the projections' input is not among them (the recompute makes it)."""
+    its saved tensors then move (full fine-tuning: no rank-r products; with q/k norms, their inputs and not the
+    normed q/k, which backward remakes); the projections' input is not among them (the recompute makes it)."""
     from fasttune.model_patches import attention
 
     charged = []
