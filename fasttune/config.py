@@ -122,9 +122,10 @@ class FastConfig:
                 "(benchmarks/RESULTS.md, session 46). None (default): on where the layers record their forward "
                 "(dense families, bf16 and NF4 bases), off where the forward runs without autograd "
                 "(checkpoint_no_grad_forward: mixture-of-experts families by default), with base_dtype='fp8' "
-                "(not measured there yet) and for families with q/k norms (Qwen3, Gemma 3, OLMo 2: their inputs "
-                "make a core 1.5x the bytes; Qwen3-8B on an H100: -6% tok/s, session 48). Cores with dropout inside (attention dropout, PEFT's lora_dropout) are "
-                "recomputed. True: on wherever it applies."})
+                "(not measured there yet) and for families with q/k norms (Qwen3, Gemma 3, OLMo 2: their normed "
+                "q/k are remade in backward from the norms' inputs, so a core moves what a Llama core moves, yet "
+                "Qwen3-8B on an H100 ran no faster with it: sessions 48-49). Cores with dropout inside (attention "
+                "dropout, PEFT's lora_dropout) are recomputed. True: on wherever it applies."})
     experts_stash: bool = field(default=False, metadata={
         "help": "With checkpointing 'offload' or 'auto': the routed experts of each offloaded mixture-of-experts "
                 "layer keep what they save for backward (their gate/up product and input) in pinned host memory "

@@ -180,7 +180,8 @@ class FastAttentionForward(PatchedForward):
     def _stash_bytes(self, m: nn.Module, hidden_states: torch.Tensor) -> int:
         """What a stashed core copies (the link budget charges it): q (with its gate) and the attention output,
         heads·head_dim wide each, k and v, kv heads·head_dim each (with q/k norms: the norms' inputs; backward
-        remakes the normed q/k from them); not the projections' input (the recompute makes it). Three hidden widths where the module does not say its heads."""
+        remakes the normed q/k from them); not the projections' input (the recompute makes it). Three hidden widths
+        where the module does not say its heads."""
         config, tokens = m.config, hidden_states.numel() // hidden_states.shape[-1]
         heads, head_dim = getattr(config, "num_attention_heads", None), getattr(m, "head_dim", None)
         if isinstance(heads, int) and isinstance(head_dim, int):

@@ -244,7 +244,9 @@ def test_cuda_bitwise_equal_with_pinned_copies_on_the_side_stream(deterministic,
     assert state.checkpointer.pool.pin and chain.host_bytes == 0
     stats, layers = chain.stats, model.config.num_hidden_layers
     assert stats.cores_stashed == stats.cores_skipped == stats.inputs_recomputed == 2 * layers, stats
-    assert stats.tensors_remade == (2 * layers if model_type == "qwen3" else 0), stats
+    # Qwen3's normed q/k are remade, not copied, where the attention saves them as they are: bf16 (in fp32 torch's
+    # CUDA attention saved no tensor of theirs on the H100: nothing to remake, the stash copies what it saved).
+    assert stats.tensors_remade == (2 * layers if (model_type, dtype) == ("qwen3", torch.bfloat16) else 0), stats
     assert stats.cores_link_busy == MEASURING_STEPS * layers, stats
     # Each step's first recompute (the last layer) takes its core's output on the spot; the rest was fetched ahead.
     assert state.checkpointer.stats.misses <= 2 * 2, state.checkpointer.stats
