@@ -54,8 +54,9 @@ without autograd, on for dense families too) and ``--forward-graphs`` with that 
 adds ``FastConfig(checkpoint_backward_graphs=True)`` (the layers' recompute and backward replayed too).
 
 ``--profile`` adds a torch.profiler table (top CUDA kernels by self device time) of one extra
-fasttune step per configuration (``--profile hf,fasttune`` for other stacks), printed and stored
-in the JSON; ``--trace DIR`` also writes Chrome traces there.
+fasttune step per configuration (``--profile hf,fasttune`` for other stacks; ``--profile-steps N``: N
+steps back to back), printed and stored in the JSON with the idle gaps of the GPU and of its compute
+stream (host-bound or waiting, by phase and op: ``trace_gaps.py``); ``--trace DIR`` also writes Chrome traces there.
 
 Usage (H200, repo root; peers from the carried wheels, see ../shared/tools/fetch_peer_wheels.sh):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
@@ -602,7 +603,8 @@ def worker(stack: str, args) -> None:
                         log(f"    graphs {row['graphs']}; forward eager: {sorted(state.graphs.logged)}")
                     del state
                 if stack in args.profile:
-                    row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace)
+                    row["profile"] = profile(step, f"{stack}_{weights}_{b}x{s}", args.trace,
+                                             steps=args.profile_steps)
                 if stack in args.host_profile:
                     row["host_profile"] = host_profile(step, dump=os.path.join(
                         args.trace, f"{stack}_{weights}_{b}x{s}.pstats") if args.trace else None)
@@ -636,7 +638,8 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
            "--shapes", ",".join(f"{b}x{s}" for b, s in args.shapes), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--checkpointing", args.checkpointing, "--ckpt-dir", args.ckpt_dir or "",
            "--auto-budget-gib", str(args.auto_budget_gib),
-           "--profile", ",".join(args.profile), "--host-profile", ",".join(args.host_profile)] \
+           "--profile", ",".join(args.profile), "--profile-steps", str(args.profile_steps),
+           "--host-profile", ",".join(args.host_profile)] \
         + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
@@ -763,6 +766,8 @@ def parse_args(argv=None):
                         "/tmp/fasttune_bench_step_llama8b, _qwen2.5-7b, _qwen3-8b, or with _smoke)")
     p.add_argument("--profile", nargs="?", const="fasttune", default="",
                    help="profile one extra step of these stacks (default when given: fasttune)")
+    p.add_argument("--profile-steps", type=int, default=1,
+                   help="profile this many extra steps back to back (a step-to-step stall shows in a few)")
     p.add_argument("--trace", help="also write Chrome traces of the profiled steps to this directory")
     p.add_argument("--host-profile", default="", help="cProfile one extra step of these stacks (host time by function)")
     p.add_argument("--budget-s", type=float, default=460.0, help="seconds for the whole run (workers stop after)")

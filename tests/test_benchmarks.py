@@ -44,16 +44,20 @@ def test_bench_step_smoke_every_fasttune_stack(tmp_path):
 @pytest.mark.slow
 def test_bench_step_smoke_qwen25_nf4(tmp_path):
     """``--model qwen2.5-7b``: another family's shape (q/k/v biases, kept 16-bit beside the NF4 codes);
-    hf and fasttune compute the same function (B = 0), here on padded rows (``--padded``: an attention mask)."""
+    hf and fasttune compute the same function (B = 0), here on padded rows (``--padded``: an attention mask);
+    fasttune's row also carries a profile of two more steps (``--profile --profile-steps 2``)."""
     out = tmp_path / "step_qwen.json"
     _run(["benchmarks/bench_step.py", "--smoke", "--model", "qwen2.5-7b", "--stacks", "hf,fasttune", "--weights", "nf4",
-          "--shapes", "3x32", "--steps", "1", "--warmup", "1", "--padded", "--out", str(out)], 600)
+          "--shapes", "3x32", "--steps", "1", "--warmup", "1", "--padded", "--profile", "--profile-steps", "2",
+          "--out", str(out)], 600)
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert result["model"] == "qwen2.5-7b" and result["padded"] and [r["stack"] for r in rows] == ["hf", "fasttune"]
     assert all(32 < r["real_tokens"] < 3 * 32 for r in rows), rows  # the workers padded their rows
     assert all("tokens_per_s" in r for r in rows), rows
     assert rows[0]["loss_step1"] == rows[1]["loss_step1"], rows
+    assert rows[1]["profile"].startswith("wall ") and "(2 steps profiled)" in rows[1]["profile"], rows[1]["profile"]
+    assert "profile" not in rows[0]  # --profile alone: fasttune's row
 
 
 @pytest.mark.slow
