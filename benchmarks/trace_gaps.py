@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 from collections import defaultdict
 
 
 def _load(trace) -> list[dict]:
     if isinstance(trace, str):
-        with open(trace) as fh:
+        with (gzip.open(trace, "rt") if trace.endswith(".gz") else open(trace)) as fh:
             trace = json.load(fh)
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
@@ -79,7 +80,7 @@ def gap_report(trace, top: int = 15, min_us: float = 20.0) -> str:
     return "\n".join(lines)
 
 
-def stream_report(trace, min_us: float = 20.0, top_ops: int = 8) -> str:
+def stream_report(trace, min_us: float = 20.0, top_ops: int = 8, top_waits: int = 12) -> str:
     """Busy time per CUDA stream, then the compute stream's own idle gaps (the stream with the most
     kernel time, copies not counted): host-bound when the next kernel was launched after the stream went idle, else
     waiting (the kernel sat queued behind an event wait, e.g. on a copy of another stream),
@@ -120,7 +121,7 @@ def stream_report(trace, min_us: float = 20.0, top_ops: int = 8) -> str:
                                             for s, t in sorted(times.items(), key=lambda kv: -kv[1]))]
     ks = by_stream[compute]
     idle = {"host-bound": 0.0, "waiting": 0.0}
-    waits, host_by_phase = defaultdict(float), defaultdict(float)
+    waits, host_by_phase, wait_by_phase, longest = defaultdict(float), defaultdict(float), defaultdict(float), []
     end = ks[0]["ts"] + ks[0]["dur"]
     for k in ks[1:]:
         gap = k["ts"] - end
@@ -133,7 +134,10 @@ def stream_report(trace, min_us: float = 20.0, top_ops: int = 8) -> str:
                 idle["waiting"] += gap
                 i = bisect.bisect_right(op_starts, launch["ts"])
                 inner = [e for e in ops[max(0, i - 2000):i] if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
-                waits[min(inner, key=lambda e: e["dur"])["name"] if inner else "-"] += gap
+                op = min(inner, key=lambda e: e["dur"])["name"] if inner else "-"
+                waits[op] += gap
+                wait_by_phase[phase_of(launch["ts"])] += gap
+                longest.append((gap, phase_of(launch["ts"]), op, k["name"], _overlapping(by_stream, compute, end, k["ts"])))
         end = max(end, k["ts"] + k["dur"])
     span = end - ks[0]["ts"]
     lines.append(f"compute stream: span {span / 1e3:.1f} ms, idle in gaps >= {min_us:.0f} us: "
@@ -144,7 +148,37 @@ def stream_report(trace, min_us: float = 20.0, top_ops: int = 8) -> str:
     if waits:
         lines.append("waiting, by the op launching the next kernel: " + ", ".join(
             f"{o} {t / 1e3:.1f} ms" for o, t in sorted(waits.items(), key=lambda kv: -kv[1])[:top_ops]))
+    if phases and wait_by_phase:
+        lines.append("waiting by phase: " + ", ".join(
+            f"{p} {t / 1e3:.1f} ms" for p, t in sorted(wait_by_phase.items(), key=lambda kv: -kv[1])))
+    if longest:  # what the compute stream waited on: the other streams' work during the gap
+        lines += ["| wait us | phase | launched by | next kernel | other streams during the wait |", "|---|---|---|---|---|"]
+        for gap, phase, op, nxt, other in sorted(longest, key=lambda w: -w[0])[:top_waits]:
+            lines.append(f"| {gap:.0f} | {phase} | {op[:40]} | {nxt[:40]} | {other} |")
     return "\n".join(lines)
+
+
+def _overlapping(by_stream, compute, start: float, stop: float) -> str:
+    """The work of the streams other than ``compute`` inside [start, stop]: per stream, busy us and the
+    names of its longest items (a copy's direction and size tell which transfer the compute stream waited on)."""
+    parts = []
+    for s, ks in by_stream.items():
+        if s == compute:
+            continue
+        inside = [(min(stop, k["ts"] + k["dur"]) - max(start, k["ts"]), k) for k in ks
+                  if k["ts"] < stop and k["ts"] + k["dur"] > start]
+        if not inside:
+            continue
+        busy = sum(t for t, _ in inside)
+        names = sorted(inside, key=lambda tk: -tk[0])[:2]
+        parts.append(f"{s}: {busy:.0f} us in {len(inside)} ("
+                     + ", ".join(f"{k['name'][:24]}{_bytes(k)}" for _, k in names) + ")")
+    return "; ".join(parts) or "none (an event of the host?)"
+
+
+def _bytes(k) -> str:
+    n = k.get("args", {}).get("bytes")
+    return f" {n / 2**20:.0f} MiB" if n else ""
 
 
 def main(argv=None) -> None:

@@ -196,6 +196,8 @@ def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
     assert lines[1] == "compute stream: span 0.4 ms, idle in gaps >= 20 us: host-bound 0.1 ms, waiting 0.1 ms"
     assert lines[2] == "host-bound by phase: backward 0.1 ms"
     assert lines[3] == "waiting, by the op launching the next kernel: StashTake 0.1 ms"
+    assert lines[4] == "waiting by phase: forward 0.1 ms"
+    assert lines[7] == "| 120 | forward | StashTake | gemm_b | 13: 115 us in 1 (Memcpy HtoD) |"
 
 
 @pytest.mark.slow
