@@ -8,7 +8,7 @@ forward / backward / optimizer) and to the innermost CPU op that launched K.
 ``stream_report`` looks at the compute stream alone: its gaps while copies on a side stream keep the GPU
 busy are waits (an event the stream waits on), not idle GPU time.
 
-Usage:  python3 benchmarks/trace_gaps.py TRACE.json [--top 15] [--min-us 20]
+Usage:  python3 benchmarks/trace_gaps.py TRACE.json[.gz] [--top 15] [--min-us 20] [--shrink OUT.json.gz]
 """
 
 from __future__ import annotations
@@ -181,12 +181,36 @@ def _bytes(k) -> str:
     return f" {n / 2**20:.0f} MiB" if n else ""
 
 
+def shrink(trace, dst: str, min_op_us: float = 10.0) -> tuple[int, int]:
+    """Write to ``dst`` (gzipped JSON) what the reports read: kernels, copies, memsets, launches, phase
+    annotations and CPU ops of at least ``min_op_us``, with only the arguments they use. An 8B step's
+    trace shrinks ~20-fold, so a few profiled steps come back from a device run. Returns (events in, out)."""
+    events = _load(trace)
+    keep = []
+    for e in events:
+        cat = e.get("cat")
+        if e.get("ph") != "X" or not (cat in _SHRINK_CATS or (cat == "cpu_op" and e.get("dur", 0) >= min_op_us)):
+            continue
+        args = e.get("args", {})
+        keep.append({"ph": "X", "cat": cat, "name": e["name"], "ts": e["ts"], "dur": e.get("dur", 0),
+                     "tid": e.get("tid"), "args": {k: args[k] for k in ("correlation", "stream", "bytes") if k in args}})
+    with gzip.open(dst, "wt") as fh:
+        json.dump({"traceEvents": keep}, fh)
+    return len(events), len(keep)
+
+
+_SHRINK_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "cuda_runtime", "cuda_driver")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--min-us", type=float, default=20.0)
+    p.add_argument("--shrink", metavar="OUT.json.gz", help="also write a smaller gzipped copy of the trace there")
     args = p.parse_args(argv)
+    if args.shrink:
+        print("events in, kept:", shrink(args.trace, args.shrink))
     print(gap_report(args.trace, args.top, args.min_us))
     print(stream_report(args.trace, args.min_us))
 

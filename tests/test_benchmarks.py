@@ -200,6 +200,27 @@ def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
     assert lines[7] == "| 120 | forward | StashTake | gemm_b | 13: 115 us in 1 (Memcpy HtoD) |"
 
 
+def test_shrunk_trace_gives_the_same_stream_report(tmp_path):
+    """``shrink`` drops short CPU ops and unused arguments, keeps what the reports read: same report from the copy."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from trace_gaps import shrink, stream_report
+
+    ev, add = _trace()
+    add("user_annotation", 0, 280, "forward")
+    add("cpu_op", 0, 10, "aten::mm")
+    add("cpu_op", 1, 2, "aten::view")  # shorter than min_op_us: dropped
+    add("cuda_runtime", 1, 2, "cudaLaunchKernel", correlation=1)
+    add("kernel", 5, 100, "gemm_a", correlation=1, stream=7)
+    add("cuda_runtime", 4, 2, "cudaMemcpyAsync", correlation=2)
+    add("gpu_memcpy", 20, 200, "Memcpy HtoD", correlation=2, stream=13)
+    add("cpu_op", 8, 5, "StashTake")
+    add("cuda_runtime", 9, 2, "cudaLaunchKernel", correlation=3)
+    add("kernel", 225, 50, "gemm_b", correlation=3, stream=7)
+    dst = tmp_path / "t.json.gz"
+    assert shrink({"traceEvents": ev}, str(dst), min_op_us=5) == (len(ev), len(ev) - 1)
+    assert stream_report(str(dst)) == stream_report({"traceEvents": ev})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
 def test_bench_moe_step_smoke(tmp_path, model):
