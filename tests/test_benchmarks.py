@@ -171,15 +171,10 @@ def test_trace_gaps_attributes_idle_time_to_phases_and_launching_ops():
     assert "| 45 | forward | no | - | add_kernel | triton_kernel |" in lines
 
 
-def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
-    """A compute-stream gap whose next kernel was queued before the gap is a wait (here on a copy of
-    the side stream, which keeps the GPU busy); one launched after it went idle is host-bound."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from trace_gaps import stream_report
-
+def _copy_wait_trace():
+    """A forward whose second GEMM, queued at 9 us, waits for a side stream's copy until 225 us (120 us idle)."""
     ev, add = _trace()
     add("user_annotation", 0, 280, "forward")
-    add("user_annotation", 280, 220, "backward")
     add("cpu_op", 0, 10, "aten::mm")
     add("cuda_runtime", 1, 2, "cudaLaunchKernel", correlation=1)
     add("kernel", 5, 100, "gemm_a", correlation=1, stream=7)
@@ -187,7 +182,18 @@ def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
     add("gpu_memcpy", 20, 200, "Memcpy HtoD", correlation=2, stream=13)
     add("cpu_op", 8, 5, "StashTake")
     add("cuda_runtime", 9, 2, "cudaLaunchKernel", correlation=3)
-    add("kernel", 225, 50, "gemm_b", correlation=3, stream=7)     # queued at 9 us, ran at 225: waited 120 us
+    add("kernel", 225, 50, "gemm_b", correlation=3, stream=7)
+    return ev, add
+
+
+def test_stream_report_tells_the_compute_streams_waits_from_host_bound_gaps():
+    """A compute-stream gap whose next kernel was queued before the gap is a wait (here on a copy of
+    the side stream, which keeps the GPU busy); one launched after it went idle is host-bound."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from trace_gaps import stream_report
+
+    ev, add = _copy_wait_trace()
+    add("user_annotation", 280, 220, "backward")
     add("cpu_op", 400, 10, "aten::add")
     add("cuda_runtime", 401, 2, "cudaLaunchKernel", correlation=4)
     add("kernel", 405, 10, "add_kernel", correlation=4, stream=7)  # launched after 275: host-bound 130 us
@@ -205,17 +211,8 @@ def test_shrunk_trace_gives_the_same_stream_report(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from trace_gaps import shrink, stream_report
 
-    ev, add = _trace()
-    add("user_annotation", 0, 280, "forward")
-    add("cpu_op", 0, 10, "aten::mm")
+    ev, add = _copy_wait_trace()
     add("cpu_op", 1, 2, "aten::view")  # shorter than min_op_us: dropped
-    add("cuda_runtime", 1, 2, "cudaLaunchKernel", correlation=1)
-    add("kernel", 5, 100, "gemm_a", correlation=1, stream=7)
-    add("cuda_runtime", 4, 2, "cudaMemcpyAsync", correlation=2)
-    add("gpu_memcpy", 20, 200, "Memcpy HtoD", correlation=2, stream=13)
-    add("cpu_op", 8, 5, "StashTake")
-    add("cuda_runtime", 9, 2, "cudaLaunchKernel", correlation=3)
-    add("kernel", 225, 50, "gemm_b", correlation=3, stream=7)
     dst = tmp_path / "t.json.gz"
     assert shrink({"traceEvents": ev}, str(dst), min_op_us=5) == (len(ev), len(ev) - 1)
     assert stream_report(str(dst)) == stream_report({"traceEvents": ev})
