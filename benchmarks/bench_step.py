@@ -37,9 +37,11 @@ fasttune "offload" also hold pinned host memory), and the loss of the first step
 starts at 0, so every stack computes the same function there: a sanity check across stacks).
 
 The JSON rows also carry each timed step's ms, per-step phases (GPU ms of forward / backward /
-AdamW from CUDA events, and how far into the step the host finished launching each) and the
-garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
+AdamW from CUDA events, how far into the step the host finished launching each, the SM clock and
+power draw, and the ms NVML counted the GPU held back by its power cap or temperature since the step
+before, with the clock event reasons active) and the garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
 fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
+``--no-forward-reuse`` with the recomputes making their LoRA products again (``kernels/forward_reuse.py``),
 ``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
 ``--attention-stash on|off`` with ``FastConfig(attention_stash=True|False)`` on the offloading stacks (the
 attention core's saved tensors in host memory instead of recomputed, the default on dense families; ``off``:
@@ -230,6 +232,10 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         hf_checkpointing(base)
     if stack.startswith("fasttune"):
         from fasttune import FastConfig, patch_model
+        from fasttune.kernels import forward_reuse
+
+        if args.no_forward_reuse:
+            forward_reuse.BUDGET_BYTES = 0
 
         mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto",
                 "fasttune-fp8-auto": "auto"}.get(stack, args.checkpointing)
@@ -304,7 +310,7 @@ class Step:
         self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused or None)
 
         self.phases: list[list] | None = None  # per step: CUDA events and host times at the phase starts
-        self.clocks: list = []  # per step: (SM clock MHz, power W) from NVML when its launches were done
+        self.clocks: list = []  # per step: ((SM clock MHz, power W), throttling) from NVML when its launches were done
 
     def __call__(self) -> torch.Tensor:
         from torch.profiler import record_function  # phase names in profiles (no cost otherwise)
@@ -323,7 +329,7 @@ class Step:
         self._mark(marks)
         if marks is not None:
             self.phases.append(marks)
-            self.clocks.append(_clock_and_power())
+            self.clocks.append((_clock_and_power(), _throttling()))
         return loss.detach()
 
     @staticmethod
@@ -337,15 +343,16 @@ class Step:
     def phase_ms(self) -> list[dict]:
         """Per timed step: GPU ms of forward / backward / optimizer (CUDA events) and the host ms
         from the step's start to each phase's launch being done (how far the host ran ahead)."""
-        out = []
-        for marks, clock in zip(self.phases or [], self.clocks):
+        out, before = [], None
+        for marks, (clock, throttle) in zip(self.phases or [], self.clocks):
             if len(marks) != 4:  # no CUDA: no events
                 continue
             (e0, h0), (e1, h1), (e2, h2), (e3, h3) = marks
             out.append(dict(gpu=[round(e0.elapsed_time(e1), 1), round(e1.elapsed_time(e2), 1),
                                  round(e2.elapsed_time(e3), 1)],
                             host=[round((h1 - h0) * 1e3, 1), round((h2 - h0) * 1e3, 1), round((h3 - h0) * 1e3, 1)],
-                            sm_clock_mhz_power_w=clock))
+                            sm_clock_mhz_power_w=clock, **_throttled_since(before, throttle)))
+            before = throttle
         return out
 
 
@@ -356,6 +363,39 @@ def _clock_and_power() -> tuple[int, int] | None:
         return (torch.cuda.clock_rate(), torch.cuda.power_draw() // 1000) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001 - pynvml missing or NVML unavailable
         return None
+
+
+# NVML's clock event reasons (nvmlClocksEventReasons), the ones that slow a busy GPU.
+_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
+
+
+def _throttling() -> tuple | None:
+    """(ns the GPU has spent held back by its power cap, by temperature, as NVML counts them since boot;
+    the clock event reasons active now), or None without NVML."""
+    try:
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler()  # noqa: SLF001 - the handle torch.cuda.power_draw uses
+        power = pynvml.nvmlDeviceGetViolationStatus(handle, pynvml.NVML_PERF_POLICY_POWER).violationTime
+        thermal = pynvml.nvmlDeviceGetViolationStatus(handle, pynvml.NVML_PERF_POLICY_THERMAL).violationTime
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        mask = reasons(handle)
+        return power, thermal, [name for bit, name in _REASONS.items() if mask & bit]
+    except Exception:  # noqa: BLE001 - pynvml missing, NVML unavailable or a call it does not support
+        return None
+
+
+def _throttled_since(before: tuple | None, now: tuple | None) -> dict:
+    """The ms of power and thermal capping NVML counted between two ``_throttling`` reads (one step
+    apart: the time from one step's launches being done to the next's), and the reasons now."""
+    if now is None:
+        return {}
+    out = dict(clock_reasons=now[2])
+    if before is not None:
+        out.update(power_capped_ms=round((now[0] - before[0]) / 1e6, 1),
+                   thermal_capped_ms=round((now[1] - before[1]) / 1e6, 1))
+    return out
 
 
 def sync() -> None:
@@ -643,6 +683,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
+        + (["--no-forward-reuse"] if args.no_forward_reuse else []) \
         + ["--attention-stash", args.attention_stash] \
         + (["--mlp-stash"] if args.mlp_stash else []) \
         + ["--o-proj-stash", args.o_proj_stash] \
@@ -753,6 +794,9 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(checkpoint_backward_graphs=True) and the forward graphs it needs")
     p.add_argument("--loss-workspace-mib", type=int, default=None,
                    help="fasttune stacks with FastConfig(loss_workspace_mib=N): the loss head's logit workspace")
+    p.add_argument("--no-forward-reuse", action="store_true",
+                   help="fasttune stacks: each checkpointed layer's recompute makes its LoRA products and casts "
+                        "again instead of taking its forward's (forward_reuse.BUDGET_BYTES = 0)")
     p.add_argument("--no-residual-norms", action="store_true",
                    help="fasttune stacks with FastConfig(residual_norms=False): the residual adds as their own kernels")
     p.add_argument("--padded", action="store_true",

@@ -376,3 +376,16 @@ def test_bench_step_padded_batch_masks_and_ignores_the_padding():
     for row, n in enumerate(lengths.tolist()):  # right padding: the row's tokens first, then the masked rest
         assert mask[row, :n].all() and not mask[row, n:].any()
         assert torch.equal(labels[row, :n], ids[row, :n]) and bool((labels[row, n:] == -100).all())
+
+
+def test_bench_step_reads_the_capped_time_between_two_steps():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_step import _throttled_since
+    finally:
+        sys.path.pop(0)
+    assert _throttled_since(None, None) == {}
+    first = (5_000_000_000, 7_000_000, ["sw_power_cap"])
+    assert _throttled_since(None, first) == {"clock_reasons": ["sw_power_cap"]}  # no step before: no span
+    later = (5_612_340_000, 7_000_000, [])
+    assert _throttled_since(first, later) == {"clock_reasons": [], "power_capped_ms": 612.3, "thermal_capped_ms": 0.0}

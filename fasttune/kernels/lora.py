@@ -52,9 +52,11 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from . import forward_reuse
 from ._backend import check_float, check_same_device
 from .fp8 import Fp8Weight, forward_product, grad_input_product, quantize_rows
 from .kept_weights import KeptWeights, current, keeps, recording_for
+from .lora_adapters import adapters_of, b_as, cast_b, stack_a, stacked_xa
 from .lora_wide import project_wide, wide_columns, wide_grad_input
 from .nf4 import dequantize_nf4
 
@@ -217,40 +219,9 @@ def grad_as(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return g if g.dtype == like.dtype else g.to(like.dtype)
 
 
-def adapters_of(tensors, scalings):
-    """[(A, B, s) or None] per projection from the flat (A, B, A, B, ...) Function inputs."""
-    return [None if tensors[2 * p] is None else (tensors[2 * p], tensors[2 * p + 1], s)
-            for p, s in enumerate(scalings)]
-
-
-def _stack_a(adapters, dt):
-    a_list = [ad[0].to(dt) for ad in adapters if ad is not None]
-    return torch.cat(a_list) if len(a_list) > 1 else (a_list[0] if a_list else None)
-
-
 def _scaled_(t: torch.Tensor, s: float) -> torch.Tensor:
     """t·s in place; no kernel at all for PEFT's common s = 1 (alpha = r): x·1 is x, bit for bit."""
     return t if s == 1 else t.mul_(s)
-
-
-def cast_b(bases, adapters, dt: torch.dtype) -> list[torch.Tensor | None]:
-    """Each adapter's B in ``dt``, cast once in forward and saved for backward (None without an adapter,
-    and for a widened group, whose B goes straight into its buffer's tail)."""
-    if wide_columns(bases, adapters, dt) is not None:
-        return [None] * len(adapters)
-    return [None if ad is None else ad[1].to(dt) for ad in adapters]
-
-
-def b_as(ad, bc: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
-    """B of adapter ``ad`` in ``dt``: ``bc`` (its forward cast) when it is that, else cast now."""
-    return bc if bc is not None and bc.dtype == dt else ad[1].to(dt)
-
-
-def stacked_xa(x2: torch.Tensor, adapters) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(XA, [A_p; ...]): XA = X [A_p; ...]ᵀ for the projections p of one input that have an adapter
-    (one product), and the stacked A in x's dtype, which backward reuses instead of casting again."""
-    a = _stack_a(adapters, x2.dtype)
-    return (None, None) if a is None else (x2 @ a.t(), a)
 
 
 def project(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, scratch,
@@ -303,7 +274,7 @@ def adapter_dyb(dys, adapters, a_stacked: torch.Tensor | None = None,
     if not parts:
         return None, None
     if a_stacked is None:
-        a_stacked = _stack_a(adapters, dys[0].dtype)
+        a_stacked = stack_a(adapters, dys[0].dtype)
     return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]), a_stacked
 
 
@@ -350,17 +321,18 @@ def adapter_grads(x2, dys, xa, dyb, adapters, need_a, need_b):
     return da, db
 
 
-def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, b_cast=None, kept=None):
+def group_backward(x2, dys, xa, bases, adapters, need, scratch, a_stacked=None, b_cast=None, kept=None, token=None):
     """(dX or None, [dA_p], [dB_p]) for projections p of one input X; ``need`` = (x, A's, B's);
     ``a_stacked``: the forward's stacked A (``stacked_xa``), or None; ``b_cast``: its ``cast_b``, or None.
     A widened group that needs dX takes its dYB from the tails of its base products (``lora_wide.wide_grad_input``).
-    ``kept``: the layer call's ``KeptWeights`` (``grad_input``), or None."""
+    ``kept``: the layer call's ``KeptWeights`` (``grad_input``), or None; ``token``: its ``ForwardReuse``
+    (``lora_wide.WideWeight.load``), or None."""
     need_x, need_a, need_b = need
     cols = wide_columns(bases, adapters, dys[0].dtype) if need_x and any(ad is not None for ad in adapters) else None
     if cols is not None:
         if a_stacked is None:
-            a_stacked = _stack_a(adapters, dys[0].dtype)
-        dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked, kept)
+            a_stacked = stack_a(adapters, dys[0].dtype)
+        dx, dyb = wide_grad_input(dys, bases, adapters, cols, a_stacked, kept, token)
     else:
         dyb, a_stacked = adapter_dyb(dys, adapters, a_stacked, b_cast) if (need_x or any(need_a)) else (None, None)
         dx = grad_input(dys, bases, dyb, a_stacked, scratch, kept) if need_x else None
@@ -383,9 +355,9 @@ class LoRALinearFunction(torch.autograd.Function):
         else:  # a recompute whose forward's output came back from the host: no product, the same saved tensors
             y = known_output
         # The casts are saved tensors (not ctx attributes): a checkpointed layer does not hold them
-        # from its forward to its backward, its recompute makes them again.
+        # from its forward to its backward; its recompute takes them back (forward_reuse.py).
         ctx.save_for_backward(x, xa, lora_a, lora_b, a_stacked, *b_cast)
-        ctx.base, ctx.scaling, ctx.kept = base, scaling, current()
+        ctx.base, ctx.scaling, ctx.kept, ctx.reuse = base, scaling, current(), forward_reuse.active()
         # Not a view of an internal buffer: callers (RoPE, in place) may modify outputs in place.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], out_f))
 
@@ -396,7 +368,8 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, base.shape[1]), dy.reshape(-1, base.shape[0])
         need = ctx.needs_input_grad
         dx, (da,), (db,) = group_backward(x2, (dy2,), xa, (base,), adapters_of((lora_a, lora_b), (ctx.scaling,)),
-                                          (need[0], need[1:2], need[2:3]), None, a_stacked, [b_cast], ctx.kept)
+                                          (need[0], need[1:2], need[2:3]), None, a_stacked, [b_cast], ctx.kept,
+                                          ctx.reuse)
         return (None if dx is None else dx.view(x.shape)), da, db, None, None, None
 
 
@@ -459,7 +432,7 @@ class LoRAQKVFunction(torch.autograd.Function):
         scratch = None if kept is not None else scratch_for(bases, x.dtype, x.device)  # kept: a buffer each
         ys = project(x2, bases, adapters, xa, scratch, b_cast=b_cast, kept=kept)
         ctx.save_for_backward(x, xa, aq, bq, ak, bk, av, bv, a_stacked, *b_cast)
-        ctx.bases, ctx.scalings, ctx.kept = bases, scalings, current()
+        ctx.bases, ctx.scalings, ctx.kept, ctx.reuse = bases, scalings, current(), forward_reuse.active()
         # Not views of internal buffers: RoPE rotates q/k in place right after.
         return tuple(torch.ops.aten._unsafe_view(y, (*x.shape[:-1], base.shape[0])) for y, base in zip(ys, bases))
 
@@ -473,7 +446,8 @@ class LoRAQKVFunction(torch.autograd.Function):
         dys = [g.reshape(-1, base.shape[0]) for g, base in zip((dq, dk, dv), bases)]
         scratch = scratch_for(bases, x.dtype, x.device) if need[0] else None
         dx, da, db = group_backward(x2, dys, xa, bases, adapters_of(ab, ctx.scalings),
-                                    (need[0], need[1:7:2], need[2:7:2]), scratch, a_stacked, b_cast, ctx.kept)
+                                    (need[0], need[1:7:2], need[2:7:2]), scratch, a_stacked, b_cast, ctx.kept,
+                                    ctx.reuse)
         grads = [g for pair in zip(da, db) for g in pair]
         return (None if dx is None else dx.view(x.shape), *grads, None, None)
 

@@ -36,9 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import forward_reuse
 from ._backend import cdiv, check_float, next_power_of_2, use_triton
-from .lora import (BaseWeight, adapter_dyb, adapter_grads, adapters_of, autocast_input, b_as, cast_b,
-                   check_projection, grad_input, group_backward, project, scratch_for, stacked_xa)
+from .lora import (BaseWeight, adapter_dyb, adapter_grads, autocast_input, check_projection, grad_input,
+                   group_backward, project, scratch_for)
+from .lora_adapters import adapters_of, b_as, cast_b, stacked_xa
 from .kept_weights import current, recording_for
 from .lora_wide import wide_columns
 from .nf4 import cast_rne
@@ -192,9 +194,9 @@ def glu_forward_rank_(g: torch.Tensor, u: torch.Tensor, xa: torch.Tensor, adapte
     then H = act(G)·U as ``glu_forward`` computes it: the rank-r terms of a non-widened gate/up
     pair inside the GLU pass instead of one ``addmm_`` pass over each of G and U.
 
-    ``xa``: the stacked [N, Σr] X [A_g; A_u]ᵀ (``lora.stacked_xa``); ``adapters``: [(A, B, s) or None]
+    ``xa``: the stacked [N, Σr] X [A_g; A_u]ᵀ (``lora_adapters.stacked_xa``); ``adapters``: [(A, B, s) or None]
     for gate and up, in that order (their columns of ``xa`` in that order); ``out`` as in ``glu_forward``;
-    ``b_cast``: each B already in G's dtype (``lora.cast_b``), or None."""
+    ``b_cast``: each B already in G's dtype (``lora_adapters.cast_b``), or None."""
     _check_flat(gate=g, up=u)
     if xa.stride(1) != 1:
         raise ValueError("xa must have unit column stride")
@@ -274,17 +276,28 @@ class LoRAMLPFunction(torch.autograd.Function):
             # end (spare_columns.output_rows): zeros there, never garbage.
             hcat[:, g.shape[1]:].zero_()
         h_out = None if hcat is None else hcat[:, : g.shape[1]]
-        h = (glu_forward_rank_(g, u, xa, gu_adapters, act, out=h_out, b_cast=b_gu) if rank_in_glu
-             else glu_forward(g, u, act, out=h_out))
-        ha, a_d = stacked_xa(h, d_adapters)
+        # A discarded recompute needs H only for H·A_dᵀ: with that from its forward (forward_reuse.py),
+        # or no adapter on down, no GLU pass (unless it adds gate/up's rank-r terms to G and U).
+        d_a = [ad[0] for ad in d_adapters if ad is not None]
+        skip_h = output_unused and not rank_in_glu
+        if skip_h and d_a:
+            hit = forward_reuse.replayed("xa", d_a, ((x2.shape[0], g.shape[1]), x2.dtype))
+            skip_h = hit is not None
+        if skip_h:
+            ha, a_d = hit if d_a else (None, None)
+        else:
+            h = (glu_forward_rank_(g, u, xa, gu_adapters, act, out=h_out, b_cast=b_gu) if rank_in_glu
+                 else glu_forward(g, u, act, out=h_out))
+            ha, a_d = stacked_xa(h, d_adapters)
         if output_unused:  # a discarded recompute: NaNs, so that a use of them could not go unnoticed
             y = torch.full((x2.shape[0], down.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
         else:
             (y,) = project(h, (down,), d_adapters, ha, scratch, xcat=hcat, b_cast=b_d, kept=kept)
         # The adapter casts are saved tensors, not ctx attributes: a checkpointed layer does not hold
-        # them from its forward to its backward (its recompute makes them again).
+        # them from its forward to its backward (its recompute takes them back, forward_reuse.py).
         ctx.save_for_backward(x, g, u, xa, ha, ag, bg, au, bu, ad, bd, a_gu, a_d, *b_gu, *b_d)
         ctx.bases, ctx.scalings, ctx.act, ctx.consumed, ctx.kept = bases, scalings, act, False, current()
+        ctx.reuse = forward_reuse.active()
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], down.shape[0]))  # not a view: safe to modify in place
 
     @staticmethod
@@ -309,7 +322,8 @@ class LoRAMLPFunction(torch.autograd.Function):
 
         # Gate and up share X: dX = [dYB_g dYB_u] [A_g; A_u] + dG W_g + dU W_u.
         dx, da, db = group_backward(x2, (g, u), xa, (gate, up), adapters_of((ag, bg, au, bu), ctx.scalings[:2]),
-                                    (need[0], need[1:5:2], need[2:5:2]), scratch, a_gu, b_cast[:2], ctx.kept)
+                                    (need[0], need[1:5:2], need[2:5:2]), scratch, a_gu, b_cast[:2], ctx.kept,
+                                    ctx.reuse)
         return (None if dx is None else dx.view(x.shape), da[0], db[0], da[1], db[1], da_d, db_d,
                 None, None, None, None)
 

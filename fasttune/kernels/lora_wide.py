@@ -26,7 +26,8 @@ zeroed them.
 The weight side is never copied per call: a ``WideWeight`` owns a buffer [out, in + R] whose first
 ``in`` columns are the frozen base weight itself (the parameter is re-homed as a view of them,
 ``model_patches/lora_widen.py``) and whose tail receives the projection's B, cast to the compute
-dtype, on every call; the rest of the tail stays zero.
+dtype, on every call (but the recompute and backward of a checkpointed layer call whose forward
+loaded it, ``WideWeight.load``); the rest of the tail stays zero.
 
 NF4 bases (``BorderedNf4``) have no buffer to re-home: each product dequantises W into the first
 ``in`` columns of a fresh [out, in + R] buffer (the dequantiser writes rows that far apart) and
@@ -42,9 +43,12 @@ what DPO's policy/reference comparison at step 0 needs.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
+from . import forward_reuse
 from .kept_weights import keeps
 from .nf4 import dequantize_nf4
 from .spare_columns import spare_input
@@ -68,13 +72,14 @@ class WideWeight:
     and no buffer).
     """
 
-    __slots__ = ("buf", "in_features", "_layout")
+    __slots__ = ("buf", "in_features", "_layout", "_loaded")
 
     def __init__(self, buf: torch.Tensor, in_features: int):
         if buf.dim() != 2 or not buf.is_contiguous() or not 0 < in_features < buf.shape[1]:
             raise ValueError(f"buf must be a contiguous [out, in + R] tensor with R >= 1, got {tuple(buf.shape)} "
                              f"for in_features={in_features}")
         self.buf, self.in_features, self._layout = buf, in_features, None
+        self._loaded = None  # (layer call, B, B's version) of the last load made for a layer call
 
     @property
     def extra(self) -> int:
@@ -94,23 +99,29 @@ class WideWeight:
                 and weight.device == buf.device and tuple(weight.shape) == (buf.shape[0], self.in_features)
                 and weight.stride() == buf.stride())
 
-    def load(self, col: int | None, b: torch.Tensor | None) -> None:
+    def load(self, col: int | None, b: torch.Tensor | None, token=None) -> None:
         """Put B [out, r] in tail columns [col, col + r) and zeros elsewhere (None: an all-zero tail).
 
-        The tail is zeroed only when the layout differs from the last call's; B is written on every
-        call (an optimizer step changes it in place)."""
+        The tail is zeroed only when the layout differs from the last call's. B is written on every
+        call (an optimizer step changes it in place), except when the buffer holds this B at the same
+        version, loaded for the same checkpointed layer call ``token`` (``forward_reuse.active()``):
+        that call's recompute and backward follow its forward with no optimizer step between."""
         layout = None if b is None else (col, b.shape[1])
-        tail = self.buf[:, self.in_features:]
         if layout != self._layout:
-            tail.zero_()
-            self._layout = layout
-        if b is not None:
-            tail[:, col:col + b.shape[1]].copy_(b)
+            self.buf[:, self.in_features:].zero_()
+            self._layout, self._loaded = layout, None
+        if b is None:
+            return
+        held = self._loaded
+        if token is not None and held is not None and held[0]() is token and held[1]() is b and held[2] == b._version:
+            return
+        self.buf[:, self.in_features + col:self.in_features + col + b.shape[1]].copy_(b)
+        self._loaded = None if token is None else (weakref.ref(token), weakref.ref(b), b._version)
 
     def fill(self, col: int | None, b: torch.Tensor | None, for_grad_input: bool = False,
-             buf: torch.Tensor | None = None) -> torch.Tensor:
+             buf: torch.Tensor | None = None, token=None) -> torch.Tensor:
         """``load`` and the buffer: [W | tail] for one product."""
-        self.load(col, b)
+        self.load(col, b, token)
         return self.buf
 
     def __deepcopy__(self, memo):
@@ -139,9 +150,10 @@ class BorderedNf4:
                 and weight.dtype == p.dtype and tuple(weight.shape) == tuple(p.shape) and weight.device == p.device)
 
     def fill(self, col: int | None, b: torch.Tensor | None, for_grad_input: bool = False,
-             buf: torch.Tensor | None = None) -> torch.Tensor:
+             buf: torch.Tensor | None = None, token=None) -> torch.Tensor:
         """A buffer [W | tail] for one product: W dequantised as the forward (or, ``for_grad_input``, dX)
-        reads it, unless ``buf`` (kept from a recompute) holds it already; B in tail columns [col, col + r)."""
+        reads it, unless ``buf`` (kept from a recompute) holds it already; B in tail columns [col, col + r).
+        ``token`` is ``WideWeight.fill``'s, unused: each buffer here is made for one product."""
         in_f, shape = self.in_features, (self.quant_state.shape[0], self.in_features + self.extra)
         if buf is None:
             buf = torch.empty(shape, dtype=self.dtype, device=self.packed.device)
@@ -224,9 +236,9 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
                 torch.mul(xa[:, col:col + ad[0].shape[0]], ad[2], out=tail[:, col:col + ad[0].shape[0]])
     if used < extra:
         tail[:, used:].zero_()
-    ys = []
+    ys, token = [], forward_reuse.active()
     for base, ad, col in zip(bases, adapters, cols):
-        buf = base.wide.fill(col, None if ad is None else ad[1])  # copy_ casts to the buffer's dtype
+        buf = base.wide.fill(col, None if ad is None else ad[1], token=token)  # copy_ casts to the buffer's dtype
         ys.append(F.linear(xcat, buf, None if base.bias is None else base.bias.to(dt)))
         if kept is not None and keeps(base, dt):
             kept.put(base, buf)
@@ -234,20 +246,21 @@ def project_wide(x2: torch.Tensor, bases, adapters, xa: torch.Tensor | None, col
     return ys
 
 
-def wide_grad_input(dys, bases, adapters, cols: list[int | None], a_stacked: torch.Tensor, kept=None):
+def wide_grad_input(dys, bases, adapters, cols: list[int | None], a_stacked: torch.Tensor, kept=None, token=None):
     """(dX, dYB) of a widened group (module docstring): dX [N, in] and dYB = [s_p dY_p B_p]_p
     [N, Σ r_p] are column ranges of one [N, in + R] product sum (row stride in + R).
 
     Args:
         dys: dY_p [N, out_p] per projection, in the compute dtype.
         bases, adapters, cols: as in ``project_wide``; at least one adapter.
-        a_stacked: [A_p; …] [Σ r_p, in] in the compute dtype (``lora.stacked_xa``).
+        a_stacked: [A_p; …] [Σ r_p, in] in the compute dtype (``lora_adapters.stacked_xa``).
         kept: the layer call's ``KeptWeights``: an NF4 buffer its recompute kept is taken from there.
+        token: the layer call's ``ForwardReuse`` (``WideWeight.load``), or None.
     """
     dxw = None
     for dy, base, ad, col in zip(dys, bases, adapters, cols):  # one buffer at a time (NF4: each a new one)
         held = kept.take(base, dy.dtype, whole=True) if kept is not None and keeps(base, dy.dtype) else None
-        buf = base.wide.fill(col, None if ad is None else ad[1], for_grad_input=True, buf=held)
+        buf = base.wide.fill(col, None if ad is None else ad[1], for_grad_input=True, buf=held, token=token)
         dxw = torch.mm(dy, buf) if dxw is None else dxw.addmm_(dy, buf)
         del buf, held
     in_f = bases[0].wide.in_features

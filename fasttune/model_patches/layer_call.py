@@ -4,15 +4,17 @@
 the forward, every later one a recompute, during which ``recomputing()`` is True (the recompute's
 output is thrown away: the fused MLP skips its down projection, ``lora.py``). Both passes share the
 call's ``layer_memo()`` (what the forward decided, reused by the recompute), its attention stash
-(``attention_stash.py``), and its ``KeptWeights``: NF4 weights the recompute dequantises, kept for
-the same layer's backward (``kernels/kept_weights.py``).
+(``attention_stash.py``), its ``KeptWeights``: NF4 weights the recompute dequantises, kept for
+the same layer's backward (``kernels/kept_weights.py``), and its ``ForwardReuse``: the LoRA products
+and casts the forward made, which the recompute takes back (``kernels/forward_reuse.py``).
 """
 
 from __future__ import annotations
 
 import contextvars
 
-from ..kernels import kept_weights
+from ..kernels import forward_reuse, kept_weights
+from ..kernels.forward_reuse import ForwardReuse
 from ..kernels.kept_weights import KeptWeights
 from .attention_stash import LayerStash
 
@@ -36,7 +38,8 @@ def layer_memo() -> dict | None:
 class ForwardThenRecompute:
     """The function handed to ``checkpoint``: its first call is the forward, every later call a
     recompute (run with ``recomputing()`` True). Both run with ``layer_memo()`` = this call's memo, and
-    with ``kept``: the NF4 weights its recompute dequantises, for its backward (``kernels/kept_weights.py``)."""
+    with ``kept``: the NF4 weights its recompute dequantises, for its backward (``kernels/kept_weights.py``),
+    and ``reuse``: what the forward's LoRA Functions made, for the recompute (``kernels/forward_reuse.py``)."""
 
     def __init__(self, stock, stash: LayerStash | None = None, kept: KeptWeights | None = None):
         self.stock = stock
@@ -44,6 +47,7 @@ class ForwardThenRecompute:
         self.stash = stash  # the layer call's stash (attention_stash.py), if it has one
         self.memo: dict = {}
         self.kept = kept
+        self.reuse = ForwardReuse()
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -51,9 +55,11 @@ class ForwardThenRecompute:
         stash_token = self.stash.begin(recompute) if self.stash is not None else None
         token = _RECOMPUTING.set(True) if recompute else None
         memo_token, kept_token = _LAYER_MEMO.set(self.memo), kept_weights.keeping(self.kept, recompute)
+        reuse_token = forward_reuse.entering(self.reuse, recompute)
         try:
             return self.stock(*args, **kwargs)
         finally:
+            forward_reuse.leaving(reuse_token)
             kept_weights.stop(kept_token)
             _LAYER_MEMO.reset(memo_token)
             if token is not None:
