@@ -41,7 +41,7 @@ AdamW from CUDA events, how far into the step the host finished launching each, 
 power draw, and the ms NVML counted the GPU held back by its power cap or temperature since the step
 before, with the clock event reasons active) and the garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
 fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
-``--no-forward-reuse`` with the recomputes making their LoRA products again (``kernels/forward_reuse.py``),
+``--reuse-forward-lora`` with ``FastConfig(reuse_forward_lora=True)`` (``kernels/forward_reuse.py``),
 ``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
 ``--attention-stash on|off`` with ``FastConfig(attention_stash=True|False)`` on the offloading stacks (the
 attention core's saved tensors in host memory instead of recomputed, the default on dense families; ``off``:
@@ -232,16 +232,13 @@ def prepare(stack: str, weights: str, shape: dict, args, log):
         hf_checkpointing(base)
     if stack.startswith("fasttune"):
         from fasttune import FastConfig, patch_model
-        from fasttune.kernels import forward_reuse
-
-        if args.no_forward_reuse:
-            forward_reuse.BUDGET_BYTES = 0
 
         mode = {"fasttune-recompute": "recompute", "fasttune-auto": "auto",
                 "fasttune-fp8-auto": "auto"}.get(stack, args.checkpointing)
         fp8 = stack.startswith("fasttune-fp8")
         report = patch_model(model, FastConfig(checkpointing=mode, lora_widen=not args.no_lora_widen,
                                                residual_norms=not args.no_residual_norms,
+                                               reuse_forward_lora=args.reuse_forward_lora,
                                                base_dtype="fp8" if fp8 else "auto",
                                                attention_stash=False if mode == "recompute" else
                                                {"on": True, "off": False}.get(args.attention_stash),
@@ -683,7 +680,7 @@ def run_stack(stack: str, args, deadline_at: float, log) -> list[dict]:
         + (["--trace", args.trace] if args.trace else []) \
         + (["--smoke"] if args.smoke else []) + (["--no-lora-widen"] if args.no_lora_widen else []) \
         + (["--no-residual-norms"] if args.no_residual_norms else []) \
-        + (["--no-forward-reuse"] if args.no_forward_reuse else []) \
+        + (["--reuse-forward-lora"] if args.reuse_forward_lora else []) \
         + ["--attention-stash", args.attention_stash] \
         + (["--mlp-stash"] if args.mlp_stash else []) \
         + ["--o-proj-stash", args.o_proj_stash] \
@@ -794,9 +791,9 @@ def parse_args(argv=None):
                    help="fasttune stacks with FastConfig(checkpoint_backward_graphs=True) and the forward graphs it needs")
     p.add_argument("--loss-workspace-mib", type=int, default=None,
                    help="fasttune stacks with FastConfig(loss_workspace_mib=N): the loss head's logit workspace")
-    p.add_argument("--no-forward-reuse", action="store_true",
-                   help="fasttune stacks: each checkpointed layer's recompute makes its LoRA products and casts "
-                        "again instead of taking its forward's (forward_reuse.BUDGET_BYTES = 0)")
+    p.add_argument("--reuse-forward-lora", action="store_true",
+                   help="fasttune stacks with FastConfig(reuse_forward_lora=True): each checkpointed layer's "
+                        "recompute takes the LoRA products and casts its forward made")
     p.add_argument("--no-residual-norms", action="store_true",
                    help="fasttune stacks with FastConfig(residual_norms=False): the residual adds as their own kernels")
     p.add_argument("--padded", action="store_true",

@@ -111,6 +111,13 @@ class FastConfig:
                 "QuantState's (bf16 QLoRA): 6 of a Llama layer's 20 dequantisations a step, for one layer's weights "
                 "held from its recompute to its backward. Exact: the same values. 8B NF4 step on an H100: -1.1% time, "
                 "+0.19 GiB peak (benchmarks/RESULTS.md, session 41)."})
+    reuse_forward_lora: bool = field(default=False, metadata={
+        "help": "Opt-in, with checkpointing: a checkpointed layer's recompute takes the LoRA products X·Aᵀ and the "
+                "adapters' bf16 casts its forward made (kernels/forward_reuse.py) instead of making them again; the "
+                "recompute of an MLP whose output it discards then skips its GLU pass, and a widened group copies B "
+                "into its buffer once per layer call. Exact: the same tensors. Costs the records from each layer's "
+                "forward to its recompute (~3.3 MB a layer for an 8B model at 8,192 tokens, at most 256 MiB in all). "
+                "Off until measured on a GPU (benchmarks/RESULTS.md, session 51)."})
     attention_stash: bool | None = field(default=None, metadata={
         "help": "With checkpointing 'offload' or 'auto': the attention core of each offloaded decoder layer "
                 "(q/k/v projections through the attention output) keeps what it saves for backward in pinned "

@@ -9,8 +9,9 @@ dtype (PEFT keeps them in fp32: a launch each). The forward keeps them here and 
 them back, so a layer's recompute reads X·Aᵀ from memory and, for a discarded MLP output, skips the
 GLU kernel too (H is only needed for X·A_downᵀ, ``lora_glu.py``).
 
-The caller (``model_patches.layer_call``) gives each checkpointed layer call a ``ForwardReuse`` and
-enters it with ``entering(reuse, replay)``: recording in the forward, replaying in the recompute.
+The caller (``model_patches.layer_call``, with ``FastConfig.reuse_forward_lora``) gives each
+checkpointed layer call a ``ForwardReuse`` and enters it with ``entering(reuse, replay)``: recording
+in the forward, replaying in the recompute.
 ``reused(kind, tensors, shape, compute)`` runs ``compute()`` and records its result in the forward;
 in the recompute it hands back the forward's result for the same call (same kind, same adapter
 tensors, same input shape, in call order) when the adapters' version counters have not moved, else
@@ -31,7 +32,7 @@ import torch
 
 __all__ = ["BUDGET_BYTES", "ForwardReuse", "active", "current", "entering", "held_bytes", "leaving", "replayed", "reused"]
 
-BUDGET_BYTES = 256 << 20  # all live records of a process together; 0 turns reuse off (benchmarks' A/B)
+BUDGET_BYTES = 256 << 20  # all live records of a process together; 0 turns reuse off
 
 _CURRENT = contextvars.ContextVar("fasttune_forward_reuse", default=None)
 _HELD = [0]  # bytes recorded by the live ForwardReuse objects

@@ -55,7 +55,6 @@ _CHUNK = 4096  # chunk width of the looped paths
 _TILE = 4096  # elements per forward tile (narrow rows are stacked up to this)
 _BWD_TILE = 4096  # elements per backward step of one program
 _BWD_PROGRAMS_PER_SM = 2  # backward programs per SM: each writes one fp32 row of partial dw
-_SPARE_TILE = 64  # spare columns zeroed per step of the forward's loop (lora_wide.TAIL_MULTIPLE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,23 +87,15 @@ def _rms_norm_fwd_kernel(
     y_ptr,  # out: y [n_rows, H], rows stride_y apart; promote(x, w) (llama) or x's dtype (gemma)
     s_ptr,  # out: s = x + residual [n_rows, H], x's dtype (HAS_RES only)
     rstd_ptr,  # out: r [n_rows], fp32
-    n_rows, n_cols, n_spare, eps, offset,  # n_spare: zeros written after each row of y (its spare columns)
+    n_rows, n_cols, eps, offset,
     stride_x, stride_res, stride_y, stride_s,
     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr,
-    LLAMA: tl.constexpr, SINGLE_TILE: tl.constexpr, SPARE_TILE: tl.constexpr,
+    LLAMA: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
-    # The spare columns (spare_columns.py) zeroed here, not by a fill of their own. A runtime loop, so a
-    # call with spare columns runs the same compiled kernel as one without (n_spare and the row stride
-    # are multiples of 16 either way): bitwise the same y.
-    spare_offs = tl.arange(0, SPARE_TILE)
-    for c0 in range(0, n_spare, SPARE_TILE):
-        spare_mask = row_mask[:, None] & (c0 + spare_offs < n_spare)[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_y + n_cols + c0 + spare_offs[None, :],
-                 tl.zeros([BLOCK_ROWS, SPARE_TILE], dtype=y_ptr.dtype.element_ty), mask=spare_mask)
     offs = tl.arange(0, BLOCK_H)
     if SINGLE_TILE:
         col_mask = offs < n_cols
@@ -255,7 +246,7 @@ def _fwd(x, residual, weight, eps, offset, casting, spare=None):
     n_rows = x2.shape[0]
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
     # Rows of y may be longer than H: spare columns a widened LoRA group fills (spare_columns.py).
-    y, y_row = output_rows(x.shape, out_dtype, x.device, spare, zero_spare=False)  # the kernel zeroes them
+    y, y_row = output_rows(x.shape, out_dtype, x.device, spare)
     # The forward kernel stores every element of s (pass 1) and every row's rstd.
     s = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -267,12 +258,11 @@ def _fwd(x, residual, weight, eps, offset, casting, spare=None):
         block_rows = max(1, min(16, _TILE // block_h)) if single else 1
         _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
             x2, res2, weight, y, s, rstd,
-            n_rows, n_cols, y_row - n_cols, eps, offset,
+            n_rows, n_cols, eps, offset,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, y_row,
             s.stride(0) if s is not None else 0,
             BLOCK_ROWS=block_rows, BLOCK_H=block_h, HAS_RES=residual is not None,
-            LLAMA=casting == "llama", SINGLE_TILE=single, SPARE_TILE=_SPARE_TILE,
-            num_warps=_num_warps(block_rows * block_h),
+            LLAMA=casting == "llama", SINGLE_TILE=single, num_warps=_num_warps(block_rows * block_h),
         )
     return y, (s.view(x.shape) if s is not None else None), rstd
 

@@ -8,8 +8,7 @@ gate/up), that kernel can leave the R columns free instead:
 
 - the producer owns a ``SpareColumns`` (its standing offer, width 0 at first) and allocates each
   output with ``output_rows``: rows ``width`` elements longer than the output, which it tags, the
-  spare columns zeroed (a GEMM over X may read them before any tail is written), by the producer's
-  kernel along with the rows (the RMSNorm's) or by a fill;
+  spare columns zeroed (a GEMM over X may read them before any tail is written);
 - a consumer calls ``spare_input(x2, extra)``: it records the width it needs (``request``) and,
   once an output carries at least that many spare columns, gets an [N, in + extra] alias of the
   buffer whose first ``in`` columns are X, and writes its tail there.
@@ -58,12 +57,10 @@ def storage_alias(t: torch.Tensor, shape, strides, offset: int | None = None) ->
     return t.new_empty(0).set_(t.untyped_storage(), offset, tuple(shape), tuple(strides))
 
 
-def output_rows(shape, dtype: torch.dtype, device, spare: SpareColumns | None,
-                zero_spare: bool = True) -> tuple[torch.Tensor, int]:
+def output_rows(shape, dtype: torch.dtype, device, spare: SpareColumns | None) -> tuple[torch.Tensor, int]:
     """(output of ``shape``, row length): rows ``spare.width`` elements longer than ``shape[-1]``
     (none without ``spare``), the output tagged for ``spare_input``. The caller writes row i of the
-    flattened output at element i·(row length) of its data; ``zero_spare=False``: and zeros in the
-    spare columns after it (the RMSNorm kernel does, saving a fill of its own)."""
+    flattened output at element i·(row length) of its data."""
     width = 0 if spare is None else spare.width
     cols = shape[-1]
     row = cols + width
@@ -74,8 +71,7 @@ def output_rows(shape, dtype: torch.dtype, device, spare: SpareColumns | None,
         # Written now, not only by the consumer: products over X read its rows' spare columns
         # before the tail is filled (CPU bf16 GEMMs read past a padded row's end, whole blocks
         # at a time), and 0·NaN = NaN, so garbage there would turn X·Aᵀ NaN at random.
-        if zero_spare:
-            buf[..., cols:].zero_()
+        buf[..., cols:].zero_()
         out = storage_alias(buf, shape, buf.stride(), 0)  # the buffer's own row-major strides
     if spare is not None:
         setattr(out, _TAG, (spare, row))

@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import FastConfig
 from ..kernels._lce_common import DEFAULT_WORKSPACE_MIB
+from ..kernels.forward_reuse import ForwardReuse
 from ..kernels.kept_weights import KeptWeights
 from .families import FamilySpec
 from .instance import PatchedForward, find_causal_lm, stock_forward, swap_forward
@@ -246,6 +247,7 @@ class LayerCheckpointing:
         self.policy = AutoPolicy(base, n_layers, config, head_fused) if mode == "auto" else None
         self.resident = 0
         self.keep_nf4 = config.keep_recomputed_nf4
+        self.reuse_lora = config.reuse_forward_lora
         self.logged: set[str] = set()  # reasons a layer recorded its forward, logged once each
         self.graphs = no_grad_forward.forward_graphs(config)  # those forwards from CUDA graphs, or None
         self._hf_flags, self._warned = [], False
@@ -336,7 +338,8 @@ class CheckpointedLayerForward(PatchedForward):
         kwargs = self._without_cache(kwargs)
         stash = self.state.stash if how == OFFLOAD else None
         fn = ForwardThenRecompute(self.stock, stash.new_layer(self.index, hidden) if stash is not None else None,
-                                  KeptWeights() if self.state.keep_nf4 else None)
+                                  KeptWeights() if self.state.keep_nf4 else None,
+                                  ForwardReuse() if self.state.reuse_lora else None)
         without_graph, graphs = no_grad_forward.chosen(self, stash is not None, args, kwargs), self.state.graphs
         with self.state.checkpointer.offloading(hidden) if how == OFFLOAD else contextlib.nullcontext():
             if without_graph:

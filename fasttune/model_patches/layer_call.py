@@ -5,8 +5,8 @@ the forward, every later one a recompute, during which ``recomputing()`` is True
 output is thrown away: the fused MLP skips its down projection, ``lora.py``). Both passes share the
 call's ``layer_memo()`` (what the forward decided, reused by the recompute), its attention stash
 (``attention_stash.py``), its ``KeptWeights``: NF4 weights the recompute dequantises, kept for
-the same layer's backward (``kernels/kept_weights.py``), and its ``ForwardReuse``: the LoRA products
-and casts the forward made, which the recompute takes back (``kernels/forward_reuse.py``).
+the same layer's backward (``kernels/kept_weights.py``), and (opt-in) its ``ForwardReuse``: the LoRA
+products and casts the forward made, which the recompute takes back (``kernels/forward_reuse.py``).
 """
 
 from __future__ import annotations
@@ -39,15 +39,17 @@ class ForwardThenRecompute:
     """The function handed to ``checkpoint``: its first call is the forward, every later call a
     recompute (run with ``recomputing()`` True). Both run with ``layer_memo()`` = this call's memo, and
     with ``kept``: the NF4 weights its recompute dequantises, for its backward (``kernels/kept_weights.py``),
-    and ``reuse``: what the forward's LoRA Functions made, for the recompute (``kernels/forward_reuse.py``)."""
+    and ``reuse`` (``FastConfig.reuse_forward_lora``): what the forward's LoRA Functions made, for the
+    recompute (``kernels/forward_reuse.py``)."""
 
-    def __init__(self, stock, stash: LayerStash | None = None, kept: KeptWeights | None = None):
+    def __init__(self, stock, stash: LayerStash | None = None, kept: KeptWeights | None = None,
+                 reuse: ForwardReuse | None = None):
         self.stock = stock
         self.calls = 0
         self.stash = stash  # the layer call's stash (attention_stash.py), if it has one
         self.memo: dict = {}
         self.kept = kept
-        self.reuse = ForwardReuse()
+        self.reuse = reuse
 
     def __call__(self, *args, **kwargs):
         self.calls += 1

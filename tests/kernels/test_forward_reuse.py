@@ -2,9 +2,10 @@
 
 The records themselves (call order, version counters, the byte budget, a peek that misses), then a
 tiny Llama with LoRA (fp32 adapters over fp32 or bf16 weights, the widened groups of a CPU run) trained
-two steps with "offload" and "recompute": the loss and every adapter gradient bit for bit those of
-the same model without checkpointing and with reuse off, the recompute taking every product from its
-forward (no miss), running no GLU pass, and copying no B into a widened buffer.
+two steps with "offload" and "recompute" and ``FastConfig.reuse_forward_lora``: the loss and every
+adapter gradient bit for bit those of the same model without checkpointing and with reuse off (the
+default), the recompute taking every product from its forward (no miss), running no GLU pass, and
+copying no B into a widened buffer.
 """
 
 from __future__ import annotations
@@ -150,11 +151,11 @@ def _check_steps(spies, monkeypatch, dtype, mode, device, shape, seq):
     base = tiny_model("llama", dtype=dtype, seed=4, **shape).to(device)
     batches = [make_batch(shape["vocab_size"], seq=seq, seed=s) for s in (5, 6)]
     runs, counts, held = {}, {}, held_bytes()
-    for name, budget, checkpointing in (("unchecked", forward_reuse.BUDGET_BYTES, None),
-                                        ("reused", forward_reuse.BUDGET_BYTES, mode), ("off", 0, mode)):
-        monkeypatch.setattr(forward_reuse, "BUDGET_BYTES", budget)
+    for name, config in (("unchecked", FastConfig(reuse_forward_lora=True)),
+                         ("reused", FastConfig(checkpointing=mode, reuse_forward_lora=True)),
+                         ("off", FastConfig(checkpointing=mode))):  # the default
         model = _lora(base)
-        report = patch_model(model, FastConfig(checkpointing=checkpointing))
+        report = patch_model(model, config)
         assert not [f for f in report.fallbacks if f.op.startswith("lora")], str(report)
         before = dict(spies)
         runs[name] = _train(model, batches, dtype, device)
