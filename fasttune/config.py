@@ -116,7 +116,7 @@ class FastConfig:
                 "adapters' bf16 casts its forward made (kernels/forward_reuse.py) instead of making them again; the "
                 "recompute of an MLP whose output it discards then skips its GLU pass, and a widened group copies B "
                 "into its buffer once per layer call. Exact: the same tensors. Costs the records from each layer's "
-                "forward to its recompute (~3.3 MB a layer for an 8B model at 8,192 tokens, at most 256 MiB in all). "
+                "forward to its recompute (~3.2 MB a layer for an 8B model at 8,192 tokens, at most 256 MiB in all). "
                 "Off until measured on a GPU (benchmarks/RESULTS.md, session 51)."})
     attention_stash: bool | None = field(default=None, metadata={
         "help": "With checkpointing 'offload' or 'auto': the attention core of each offloaded decoder layer "

@@ -19,7 +19,7 @@ computes again. Nothing is reused while a CUDA graph is being captured (a graph 
 values, not bake in an eager tensor's address).
 
 Memory: what is recorded stays on the GPU from a layer's forward to the end of its recompute
-(~3.3 MB a layer for an 8B model at 8,192 tokens). All live records together stay under
+(~3.2 MB a layer for an 8B model at 8,192 tokens). All live records together stay under
 ``BUDGET_BYTES``; past it a forward records nothing and its recompute computes as before (long
 contexts, where X·Aᵀ grows with the tokens).
 """
@@ -89,8 +89,9 @@ class ForwardReuse:
     def clear(self) -> None:
         self._records.clear()
         self._cursor.clear()
-        _HELD[0] -= self._bytes
-        self._bytes = 0
+        if self._bytes:
+            _HELD[0] -= self._bytes
+            self._bytes = 0
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._records.values())

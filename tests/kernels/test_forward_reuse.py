@@ -21,6 +21,7 @@ from fasttune.kernels import forward_reuse, lora_glu
 from fasttune.kernels.forward_reuse import ForwardReuse, entering, held_bytes, leaving, replayed, reused
 from fasttune.kernels.lora_wide import WideWeight
 from fasttune.model_patches.lora_widen import wide_of
+from helpers.sgd_steps import sgd_steps
 from helpers.tiny_models import make_batch, tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -103,22 +104,6 @@ def _lora(base: torch.nn.Module):
     return get_peft_model(copy.deepcopy(base), config)  # PEFT keeps the adapters in fp32
 
 
-def _train(model, batches, dtype, device):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-2)
-    losses, grads = [], {}
-    model.train()
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
-        loss.backward()
-        losses.append(loss.detach())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        opt.step()
-    return losses, grads
-
-
 @pytest.fixture
 def spies(monkeypatch):
     """Counts: GLU forward passes, records taken and missed, and B loads a widened buffer skipped."""
@@ -158,7 +143,7 @@ def _check_steps(spies, monkeypatch, dtype, mode, device, shape, seq):
         report = patch_model(model, config)
         assert not [f for f in report.fallbacks if f.op.startswith("lora")], str(report)
         before = dict(spies)
-        runs[name] = _train(model, batches, dtype, device)
+        runs[name] = sgd_steps(model, batches, autocast=None if dtype == torch.float32 else dtype)
         counts[name] = {k: spies[k] - before[k] for k in spies}
         q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
         assert wide_of(q, q.weight) is not None  # q/k/v and gate/up run widened

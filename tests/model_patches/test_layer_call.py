@@ -15,6 +15,7 @@ import torch
 
 from fasttune import FastConfig, patch_model
 from fasttune.kernels.kept_weights import KeptWeights
+from helpers.sgd_steps import sgd_steps
 from helpers.spies import count_fused_lora
 from helpers.tiny_models import make_batch, tiny_model
 
@@ -67,23 +68,6 @@ def kept_counts(monkeypatch):
     return counts
 
 
-def train_steps(model, batches):
-    """Losses and the last step's {name: grad} of a few forward + backward passes (SGD between them)."""
-    device = next(model.parameters()).device
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-2)
-    losses = []
-    model.train()
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
-        loss.backward()
-        losses.append(loss.detach())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        opt.step()
-    return losses, grads
-
-
 @pytest.mark.parametrize("compute_dtype,mode", [(torch.bfloat16, "offload"), (torch.bfloat16, "recompute"),
                                                 (torch.float32, "offload")], ids=["bf16-offload", "bf16-recompute",
                                                                                   "fp32-offload"])
@@ -100,7 +84,7 @@ def test_recompute_keeps_nf4_weights_bitwise(tmp_path, monkeypatch, kept_counts,
         assert not [f for f in report.fallbacks if f.op.startswith("lora")], str(report)
         spy = count_fused_lora(monkeypatch)
         before = dict(kept_counts)
-        runs[name] = train_steps(model, batches)
+        runs[name] = sgd_steps(model, batches)
         runs[name + " counts"] = {k: kept_counts[k] - before[k] for k in kept_counts}
         # Each forward: lora_qkv, lora_o and lora_mlp per layer; a recompute runs them again.
         assert sum(spy.values()) == len(batches) * 3 * N_LAYERS * (1 if name == "unchecked" else 2), spy
