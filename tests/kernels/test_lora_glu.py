@@ -175,6 +175,31 @@ def test_output_unused_skips_down_but_keeps_every_gradient(device, nf4, monkeypa
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("gate_up_adapters", [False, True], ids=["no-adapters", "gate-up-adapters"])
+def test_output_unused_without_a_down_adapter_keeps_every_gradient(device, gate_up_adapters, monkeypatch):
+    """Without an adapter on down, a discarded recompute needs no H: no GLU pass, unless the pass is also where
+    gate/up's rank-r terms are added (Triton, bases not widened)."""
+    torch.manual_seed(5)
+    x = torch.randn(23, 64, device=device, requires_grad=True)
+    g, u, d = proj(150, 64, 8, torch.float32, device, 24), proj(150, 64, 4, torch.float32, device, 25), \
+        proj(64, 150, 8, torch.float32, device, 26)
+    if not gate_up_adapters:
+        g, u = (g[0], None, None, 1.0), (u[0], None, None, 1.0)
+    d = (d[0], None, None, 1.0)
+    params = [x] + [t for spec in (g, u) for t in spec[1:3] if t is not None]
+    dy = torch.randn(23, 64, device=device)
+    full = torch.autograd.grad(lora_mlp(x, g, u, d), params, dy)
+    passes = []
+    for name in ("glu_forward", "glu_forward_rank_"):
+        real = getattr(lora_glu, name)
+        monkeypatch.setattr(lora_glu, name, lambda *a, _real=real, **k: passes.append(1) or _real(*a, **k))
+    y_skip = lora_mlp(x, g, u, d, output_unused=True)
+    rank_in_glu = gate_up_adapters and lora_glu.use_triton(x)
+    assert len(passes) == (1 if rank_in_glu else 0) and torch.isnan(y_skip).all()
+    skipped = torch.autograd.grad(y_skip, params, dy)
+    assert all(torch.equal(a, b) for a, b in zip(full, skipped))
+
+
 def test_backward_twice_raises(device):
     x = torch.randn(8, 64, device=device, requires_grad=True)
     specs = [proj(96, 64, 4, torch.float32, device, s) for s in (16, 17)] + [proj(64, 96, 4, torch.float32, device, 18)]
