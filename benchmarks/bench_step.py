@@ -39,8 +39,9 @@ starts at 0, so every stack computes the same function there: a sanity check acr
 The JSON rows also carry each timed step's ms, per-step phases (GPU ms of forward / backward /
 AdamW from CUDA events, how far into the step the host finished launching each, the SM clock and
 power draw, and the ms NVML counted the GPU held back by its power cap or temperature since the step
-before, with the clock event reasons active) and the garbage collections during the timed steps (``--gc on|freeze|off``). ``--no-lora-widen`` runs the
-fasttune stacks with ``FastConfig(lora_widen=False)`` (the rank-r term as its own pass),
+before, with the clock event reasons active) and the garbage collections during the timed steps
+(``--gc on|freeze|off``). ``--no-lora-widen`` runs the fasttune stacks with ``FastConfig(lora_widen=False)``
+(the rank-r term as its own pass),
 ``--reuse-forward-lora`` with ``FastConfig(reuse_forward_lora=True)`` (``kernels/forward_reuse.py``),
 ``--no-residual-norms`` with ``FastConfig(residual_norms=False)`` (the residual adds as their own kernels),
 ``--attention-stash on|off`` with ``FastConfig(attention_stash=True|False)`` on the offloading stacks (the
@@ -307,7 +308,7 @@ class Step:
         self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused or None)
 
         self.phases: list[list] | None = None  # per step: CUDA events and host times at the phase starts
-        self.clocks: list = []  # per step: ((SM clock MHz, power W), throttling) from NVML when its launches were done
+        self.clocks: list = []  # per step, from NVML when its launches were done: ((SM MHz, power W), throttling)
 
     def __call__(self) -> torch.Tensor:
         from torch.profiler import record_function  # phase names in profiles (no cost otherwise)

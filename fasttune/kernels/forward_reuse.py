@@ -30,7 +30,7 @@ import contextvars
 
 import torch
 
-__all__ = ["BUDGET_BYTES", "ForwardReuse", "active", "current", "entering", "held_bytes", "leaving", "replayed", "reused"]
+__all__ = ["BUDGET_BYTES", "ForwardReuse", "active", "entering", "held_bytes", "leaving", "replayed", "reused"]
 
 BUDGET_BYTES = 256 << 20  # all live records of a process together; 0 turns reuse off
 
@@ -100,11 +100,6 @@ class ForwardReuse:
         self.clear()
 
 
-def current() -> ForwardReuse | None:
-    """The ``ForwardReuse`` of the checkpointed layer call running now, or None."""
-    return _CURRENT.get()
-
-
 def entering(reuse: ForwardReuse | None, replay: bool) -> contextvars.Token:
     """Enter a pass of a layer call: the forward records, a recompute replays from the first call on."""
     if reuse is not None:
@@ -122,7 +117,8 @@ def leaving(token: contextvars.Token) -> None:
 
 
 def active() -> ForwardReuse | None:
-    """``current()``, or None while a CUDA graph is being captured (nothing is reused then)."""
+    """The ``ForwardReuse`` of the checkpointed layer call running now, or None: outside one, with reuse off
+    (``BUDGET_BYTES`` 0) or while a CUDA graph is being captured (nothing is reused then)."""
     reuse = _CURRENT.get()
     if reuse is None or BUDGET_BYTES <= 0 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return None

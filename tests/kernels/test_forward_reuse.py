@@ -46,7 +46,7 @@ def test_the_recompute_takes_the_forwards_results_in_call_order_until_an_adapter
     held = held_bytes()
     out = _pass(reuse, False, [("xa", [a], (5, 8), first), ("xa", [a], (5, 8), second), ("b", [b], "bf16", cast)])
     assert out[0] is first and out[1] is second and out[2] is cast
-    assert len(reuse) == 3 and held_bytes() == held + 3 * first.numel() * 4 + cast.numel() * 4 - first.numel() * 4
+    assert len(reuse) == 3 and held_bytes() == held + 2 * first.numel() * 4 + cast.numel() * 4
     # The recompute computes other tensors (same values in real use): it gets the forward's, in order.
     again = _pass(reuse, True, [("xa", [a], (5, 8), torch.zeros(5, 4)), ("xa", [a], (5, 8), torch.ones(5, 4)),
                                 ("b", [b], "bf16", torch.zeros(8, 4))])
@@ -132,7 +132,7 @@ def spies(monkeypatch):
     return counts
 
 
-def _check_steps(spies, monkeypatch, dtype, mode, device, shape, seq):
+def _check_steps(spies, dtype, mode, device, shape, seq):
     base = tiny_model("llama", dtype=dtype, seed=4, **shape).to(device)
     batches = [make_batch(shape["vocab_size"], seq=seq, seed=s) for s in (5, 6)]
     runs, counts, held = {}, {}, held_bytes()
@@ -167,14 +167,13 @@ def _check_steps(spies, monkeypatch, dtype, mode, device, shape, seq):
 
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_checkpointed_steps_bitwise_with_the_recompute_taking_the_forwards_products(monkeypatch, spies, dtype, mode):
-    _check_steps(spies, monkeypatch, dtype, mode, "cpu", SHAPE, seq=24)
+def test_checkpointed_steps_bitwise_with_the_recompute_taking_the_forwards_products(spies, dtype, mode):
+    _check_steps(spies, dtype, mode, "cpu", SHAPE, seq=24)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_checkpointed_steps_bitwise_with_the_recompute_taking_the_forwards_products(monkeypatch, spies,
-                                                                                         deterministic, dtype):
+def test_cuda_checkpointed_steps_bitwise_with_the_recompute_taking_the_forwards_products(spies, deterministic, dtype):
     shape = dict(SHAPE, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4,
                  head_dim=64, num_hidden_layers=4)
-    _check_steps(spies, monkeypatch, dtype, "offload", "cuda", shape, seq=512)
+    _check_steps(spies, dtype, "offload", "cuda", shape, seq=512)

@@ -37,7 +37,8 @@ def test_b_cast_per_adapter_and_left_to_a_widened_groups_buffer():
     adapters = _adapters(1)
     bases = [BaseWeight(torch.randn(40, 24)), BaseWeight(torch.randn(8, 24)), BaseWeight(torch.randn(8, 24))]
     bs = cast_b(bases, adapters, torch.bfloat16)
-    assert bs[1] is None and torch.equal(bs[0], adapters[0][1].bfloat16()) and torch.equal(bs[2], adapters[2][1].bfloat16())
+    assert bs[1] is None and torch.equal(bs[0], adapters[0][1].bfloat16())
+    assert torch.equal(bs[2], adapters[2][1].bfloat16())
     assert b_as(adapters[0], bs[0], torch.bfloat16) is bs[0]
     assert torch.equal(b_as(adapters[0], bs[0], torch.float16), adapters[0][1].half())  # another dtype: cast now
     assert b_as(adapters[2], None, torch.float32) is adapters[2][1]
